@@ -1,0 +1,192 @@
+"""API-process adapter: request fields in, per-request results out, for every entry point.
+
+`/generate`, `sgl.Engine` and the OpenAI endpoints all call `TokenizerManager.generate_request`;
+wrapping it gives one place to validate the sglang-rl fields (a bad value raises ValueError, which
+every caller turns into a 400), move them into custom_params, and turn the scheduler's payload into
+response fields of `meta_info`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, AsyncIterator, Callable, Optional
+
+from sglang.srt.managers.io_struct import GenerateReqInput
+
+from sglang_rl.adapters import transport
+from sglang_rl.adapters.toploc import FINGERPRINTS_FIELD, RESULT_FIELD
+from sglang_rl.fingerprint import FingerprintError, decode_fingerprint
+from sglang_rl.request_options import (
+    ALL_FIELDS,
+    CUSTOM_PARAMS_KEY,
+    RESPONSE_START_KEY,
+    RequestOptionError,
+    pop_fields,
+    validate_fields,
+)
+from sglang_rl.verification_report import finalize_report
+
+# Marks set on the request object by this adapter (never user input).
+_IMPLICIT_LOGPROBS = "_sglang_rl_implicit_logprobs"
+_RESULTS = "_sglang_rl_results"
+
+# Response fields this plugin adds to meta_info (and to OpenAI choices).
+RESPONSE_FIELDS = (FINGERPRINTS_FIELD, RESULT_FIELD, "input_ids", "output_ids")
+
+
+@dataclasses.dataclass
+class RLGenerateReqInput(GenerateReqInput):
+    """GenerateReqInput with the sglang-rl fields, so `/generate` accepts them at top level."""
+
+    toploc_verification_fingerprint_to_validate: Optional[str] = None
+    toploc_verification_expect_greedy: Optional[bool] = None
+    return_input_ids: Optional[bool] = None
+    return_output_ids: Optional[bool] = None
+
+
+def _sampling_dicts(obj: Any) -> list[dict]:
+    params = obj.sampling_params
+    if params is None:
+        obj.sampling_params = params = {}
+    return params if isinstance(params, list) else [params]
+
+
+def _prompt_len(obj: Any) -> Optional[int]:
+    ids = obj.input_ids
+    if isinstance(ids, list) and ids and isinstance(ids[0], int):
+        return len(ids)
+    return None
+
+
+def prepare_request(obj: Any, server_args: Any) -> None:
+    """Validate the sglang-rl fields of one GenerateReqInput and move them into custom_params."""
+    if not isinstance(obj, GenerateReqInput):
+        return
+    fields: dict = {}
+    for name in ALL_FIELDS:
+        value = getattr(obj, name, None)
+        if value is not None:
+            fields[name] = value
+            setattr(obj, name, None)
+    dicts = _sampling_dicts(obj)
+    for params in dicts:
+        fields.update(pop_fields(params))
+    internal = {}
+    for params in dicts:
+        entry = (params.get("custom_params") or {}).get(CUSTOM_PARAMS_KEY) or {}
+        internal.update({k: v for k, v in entry.items() if k == RESPONSE_START_KEY})
+    entry = validate_fields(fields, server_args)
+    if "toploc_verification_fingerprint_to_validate" in entry:
+        _prepare_verification(obj, entry, internal, server_args)
+    if entry.get("return_input_ids"):
+        obj.return_prompt_token_ids = True
+    if not entry and not internal:
+        return
+    entry.update(internal)
+    for params in dicts:
+        custom = dict(params.get("custom_params") or {})
+        custom[CUSTOM_PARAMS_KEY] = entry
+        params["custom_params"] = custom
+
+
+def _prepare_verification(obj: Any, entry: dict, internal: dict, server_args: Any) -> None:
+    """A verification request is one prefill; ask sglang for the log-probs of its response span."""
+    try:
+        fp = decode_fingerprint(
+            entry["toploc_verification_fingerprint_to_validate"],
+            expected_topk=server_args.toploc_verification_topk,
+        )
+    except FingerprintError as exc:
+        raise RequestOptionError(f"invalid toploc_verification_fingerprint_to_validate: {exc}") from exc
+    for params in _sampling_dicts(obj):
+        if params.get("max_new_tokens") not in (0,):
+            raise RequestOptionError(
+                "a verification request must be prefill-only: set max_tokens=0 (max_new_tokens=0)"
+            )
+        params["temperature"] = 1.0
+    start = internal.get(RESPONSE_START_KEY)
+    prompt_len = _prompt_len(obj)
+    if start is None and prompt_len is not None:
+        if prompt_len < fp.n_rows + 1:
+            raise RequestOptionError(
+                f"the fingerprint covers {fp.n_rows} response tokens but the prompt has only "
+                f"{prompt_len} tokens: send input_ids + output_ids"
+            )
+        start = prompt_len - fp.n_rows
+        internal[RESPONSE_START_KEY] = start
+    setattr(obj, _IMPLICIT_LOGPROBS, not obj.return_logprob)
+    obj.return_logprob = True
+    obj.logprob_start_len = max(start - 1, 0) if start is not None else 0
+    obj.top_logprobs_num = max(obj.top_logprobs_num or 0, 1)
+
+
+def _finish_meta(out: dict, obj: Any) -> None:
+    meta = out.get("meta_info")
+    if not isinstance(meta, dict):
+        return
+    payload = transport.collect(meta)
+    if FINGERPRINTS_FIELD in payload:
+        meta[FINGERPRINTS_FIELD] = payload[FINGERPRINTS_FIELD]
+    if RESULT_FIELD in payload:
+        report = finalize_report(payload[RESULT_FIELD], meta, _expect_greedy(obj))
+        meta[RESULT_FIELD] = json.dumps(report)
+        if getattr(obj, _IMPLICIT_LOGPROBS, False):
+            for key in [k for k in meta if "logprobs" in k]:
+                meta.pop(key)
+    options = _options(obj)
+    if options.get("return_input_ids") and "prompt_token_ids" in out:
+        meta["input_ids"] = out["prompt_token_ids"]
+    if options.get("return_output_ids") and "output_ids" in out:
+        meta["output_ids"] = list(out["output_ids"])
+    fields = {k: meta[k] for k in RESPONSE_FIELDS if k in meta}
+    if fields:
+        obj.__dict__.setdefault(_RESULTS, {})[out.get("index", 0)] = fields
+
+
+def results_of(obj: Any) -> dict:
+    """Response fields recorded per choice index for a request (read by the streaming adapter)."""
+    return obj.__dict__.get(_RESULTS, {})
+
+
+def _options(obj: Any) -> dict:
+    params = obj.sampling_params
+    first = params[0] if isinstance(params, list) and params else params
+    if not isinstance(first, dict):
+        return {}
+    return (first.get("custom_params") or {}).get(CUSTOM_PARAMS_KEY) or {}
+
+
+def _expect_greedy(obj: Any) -> bool:
+    return bool(_options(obj).get("toploc_verification_expect_greedy"))
+
+
+def generate_request_around(original: Callable, manager: Any, obj: Any, request: Any = None) -> AsyncIterator:
+    """AROUND TokenizerManager.generate_request (an async generator)."""
+
+    async def run():
+        prepare_request(obj, manager.server_args)
+        async for out in original(manager, obj, request):
+            for item in out if isinstance(out, list) else [out]:
+                if isinstance(item, dict):
+                    _finish_meta(item, obj)
+            yield out
+
+    return run()
+
+
+def _move_kwargs(kwargs: dict) -> dict:
+    fields = {name: kwargs.pop(name) for name in ALL_FIELDS if name in kwargs}
+    if not fields:
+        return kwargs
+    params = kwargs.get("sampling_params")
+    if isinstance(params, list):
+        kwargs["sampling_params"] = [{**p, **fields} for p in params]
+    else:
+        kwargs["sampling_params"] = {**(params or {}), **fields}
+    return kwargs
+
+
+def engine_generate_around(original: Callable, engine: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND Engine.generate / Engine.async_generate: accept the sglang-rl fields as kwargs."""
+    return original(engine, *args, **_move_kwargs(kwargs))

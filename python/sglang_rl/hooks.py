@@ -1,0 +1,90 @@
+"""The hook table: every place where sglang-rl touches sglang, registered in one visible list.
+
+sglang calls `register()` through the entry point group `sglang.srt.plugins` in every process it
+starts (launcher, Engine, schedulers). Each row names the sglang function or class, the hook kind,
+our function, and why. Nothing else in the package patches sglang.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+SRT = "sglang.srt"
+SCHED = f"{SRT}.managers.scheduler_components"
+OPENAI = f"{SRT}.entrypoints.openai"
+
+
+class Hook(NamedTuple):
+    target: str
+    kind: HookType
+    fn: Callable
+    why: str
+
+
+def hook_table() -> list[Hook]:
+    """All hooks of the plugin (imports are local so that importing this module stays cheap)."""
+    from sglang_rl.adapters import api, openai, scheduler
+    from sglang_rl.server_args import RLServerArgs
+
+    R, A, B, AF = HookType.REPLACE, HookType.AROUND, HookType.BEFORE, HookType.AFTER
+    return [
+        # --- flags -------------------------------------------------------------------------
+        Hook(f"{SRT}.server_args.ServerArgs", R, RLServerArgs,
+             "add the sglang-rl flags to the CLI and to the args pickled to schedulers"),
+        Hook(f"{SRT}.entrypoints.engine.Engine.server_args_class", R, RLServerArgs,
+             "Engine binds its args class at class definition: let sgl.Engine(**kw) take our flags"),
+        # --- request fields in -------------------------------------------------------------
+        Hook(f"{SRT}.managers.io_struct.GenerateReqInput", R, api.RLGenerateReqInput,
+             "/generate accepts the sglang-rl fields at top level"),
+        Hook(f"{OPENAI}.protocol.ChatCompletionRequest", R, openai.RLChatCompletionRequest,
+             "/v1/chat/completions keeps the sglang-rl extra fields instead of dropping them"),
+        Hook(f"{OPENAI}.protocol.CompletionRequest", R, openai.RLCompletionRequest,
+             "/v1/completions keeps the sglang-rl extra fields instead of dropping them"),
+        Hook(f"{SRT}.entrypoints.engine.Engine.generate", A, api.engine_generate_around,
+             "sgl.Engine.generate accepts the sglang-rl fields as keyword arguments"),
+        Hook(f"{SRT}.entrypoints.engine.Engine.async_generate", A, api.engine_generate_around,
+             "sgl.Engine.async_generate accepts the sglang-rl fields as keyword arguments"),
+        Hook(f"{OPENAI}.serving_chat.OpenAIServingChat._convert_to_internal_request", B,
+             openai.chat_convert_before,
+             "a chat verification request continues the assistant reply instead of closing it"),
+        Hook(f"{OPENAI}.serving_chat.OpenAIServingChat._convert_to_internal_request", AF,
+             openai.chat_convert_after, "copy the fields; locate the reply inside the prefill"),
+        Hook(f"{OPENAI}.serving_completions.OpenAIServingCompletion._convert_to_internal_request",
+             AF, openai.completion_convert_after, "copy the fields to the internal request"),
+        Hook(f"{SRT}.managers.tokenizer_manager.TokenizerManager.generate_request", A,
+             api.generate_request_around,
+             "one place for all entry points: validate fields (400), ship them in custom_params, "
+             "turn scheduler payloads into meta_info fields"),
+        # --- scheduler ---------------------------------------------------------------------
+        Hook(f"{SRT}.model_executor.forward_batch_info.get_server_return_hidden_states_mode", AF,
+             scheduler.server_capture_mode_after,
+             "with --toploc-verification every batch (and every CUDA graph) captures LAST rows"),
+        Hook(f"{SRT}.managers.schedule_batch.Req.__init__", AF, scheduler.req_init_after,
+             "attach per-request state; raise only that request's capture mode"),
+        Hook(f"{SCHED}.batch_result_processor.SchedulerBatchResultProcessor"
+             ".process_batch_result_prefill", A, scheduler.prefill_result_around,
+             "route prefill rows to fingerprint builders / verifications"),
+        Hook(f"{SCHED}.batch_result_processor.SchedulerBatchResultProcessor"
+             ".process_batch_result_decode", A, scheduler.decode_result_around,
+             "route each decode step's rows to fingerprint builders"),
+        Hook(f"{SCHED}.output_streamer._GenerationStreamAccumulator.accept", A,
+             scheduler.output_accept_around,
+             "finalise fingerprints/reports of finished requests and send them with the output"),
+        # --- responses out -----------------------------------------------------------------
+        Hook(f"{OPENAI}.serving_chat.OpenAIServingChat._build_chat_response", AF,
+             openai.chat_response_after, "add the fields to choices[i].message"),
+        Hook(f"{OPENAI}.serving_chat.OpenAIServingChat._generate_chat_stream", A,
+             openai.chat_stream_around, "add the fields to the final chunk's delta of each choice"),
+        Hook(f"{OPENAI}.serving_completions.OpenAIServingCompletion._build_completion_response",
+             AF, openai.completion_response_after, "add the fields to choices[i]"),
+        Hook(f"{OPENAI}.serving_completions.OpenAIServingCompletion._generate_completion_stream",
+             A, openai.completion_stream_around, "add the fields to each choice's final chunk"),
+    ]
+
+
+def register() -> None:
+    """Entry point of the plugin: register every hook of the table with sglang's HookRegistry."""
+    for hook in hook_table():
+        HookRegistry.register(hook.target, hook.fn, hook.kind)

@@ -1,0 +1,1 @@
+"""Adapters that hand sglang-rl outputs to RL frameworks; none imports the framework itself."""

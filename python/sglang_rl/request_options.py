@@ -1,0 +1,68 @@
+"""Per-request fields of sglang-rl and how they travel to the scheduler.
+
+Users set them as OpenAI extra fields, as top-level `/generate` fields, as `sgl.Engine.generate`
+keyword arguments, or inside `sampling_params`. Whatever the entry, they are validated once in
+the tokenizer manager and moved into `sampling_params.custom_params["sglang_rl"]`, a flat dict of
+JSON scalars: the one channel that sglang already carries from the API to every scheduler `Req`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+CUSTOM_PARAMS_KEY = "sglang_rl"
+
+# Public field name -> internal key inside custom_params["sglang_rl"].
+TOPLOC_FIELDS = (
+    "toploc_verification_fingerprint_to_validate",
+    "toploc_verification_expect_greedy",
+)
+IDS_FIELDS = ("return_input_ids", "return_output_ids")
+ALL_FIELDS = TOPLOC_FIELDS + IDS_FIELDS
+
+# Internal keys set by the API layer, never by users.
+RESPONSE_START_KEY = "toploc_response_start"
+
+
+class RequestOptionError(ValueError):
+    """A sglang-rl request field has a bad value; the message says which and why."""
+
+
+def pop_fields(source: dict) -> dict:
+    """Remove the sglang-rl fields from a dict (e.g. sampling_params) and return them."""
+    return {name: source.pop(name) for name in ALL_FIELDS if name in source}
+
+
+def validate_fields(fields: dict, server_args: Any) -> dict:
+    """Check types and server support of user-supplied fields; return the custom_params entry."""
+    out: dict = {}
+    fp = fields.get("toploc_verification_fingerprint_to_validate")
+    if fp is not None:
+        if not getattr(server_args, "toploc_verification", False):
+            raise RequestOptionError(
+                "toploc_verification_fingerprint_to_validate was given but this server was started "
+                "without --toploc-verification"
+            )
+        if not isinstance(fp, str):
+            raise RequestOptionError(
+                "toploc_verification_fingerprint_to_validate must be a string (the last element of "
+                "toploc_verification_fingerprints)"
+            )
+        out["toploc_verification_fingerprint_to_validate"] = fp
+    for name in ("toploc_verification_expect_greedy",) + IDS_FIELDS:
+        value = fields.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, bool):
+            raise RequestOptionError(f"{name} must be true or false, got {value!r}")
+        if value:
+            out[name] = True
+    return out
+
+
+def options_of(custom_params: Optional[dict]) -> dict:
+    """The sglang-rl entry of a request's custom_params (empty when the request set none)."""
+    if not isinstance(custom_params, dict):
+        return {}
+    entry = custom_params.get(CUSTOM_PARAMS_KEY)
+    return entry if isinstance(entry, dict) else {}

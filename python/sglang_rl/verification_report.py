@@ -1,0 +1,69 @@
+"""The verification result returned to clients: fingerprint statistics plus token checks.
+
+The scheduler compares the prefill's rows with the proofs; here the report is completed with what
+the prefill's own log-probs say about the response tokens (is each one the model's argmax? what
+log-prob did the model give it?), so a verifier can also check greedy responses exactly and judge
+the plausibility of sampled ones.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+
+def _token_checks(report: dict, meta: dict) -> dict:
+    """Argmax matches and log-probs of the response tokens that lie inside the prefill."""
+    entries = meta.get("input_token_logprobs") or []
+    tops = meta.get("input_top_logprobs") or []
+    prompt_len = meta.get("prompt_tokens")
+    start = report.get("response_start")
+    n = report.get("response_tokens")
+    if not entries or prompt_len is None or start is None or n is None:
+        return {}
+    first_pos = prompt_len - len(entries)
+    logprobs: list[Optional[float]] = []
+    matches = 0
+    checked = 0
+    for pos in range(start, min(start + n, prompt_len)):
+        j = pos - first_pos
+        if j < 0 or j >= len(entries):
+            continue
+        logprob, token = entries[j][0], entries[j][1]
+        logprobs.append(None if logprob is None else float(logprob))
+        top = tops[j] if j < len(tops) else None
+        if top:
+            checked += 1
+            matches += int(top[0][1] == token)
+    out: dict[str, Any] = {
+        "response_token_logprobs": logprobs,
+        "argmax_checked": checked,
+        "argmax_matches": matches,
+        "greedy_consistent": checked > 0 and matches == checked,
+    }
+    finite = [lp for lp in logprobs if lp is not None and math.isfinite(lp)]
+    if finite:
+        out["mean_response_logprob"] = sum(finite) / len(finite)
+    next_top = (meta.get("output_top_logprobs") or [None])[0]
+    if next_top:
+        out["next_token_argmax"] = next_top[0][1]
+    return out
+
+
+def finalize_report(report: dict, meta: dict, expect_greedy: bool) -> dict:
+    """Complete the scheduler's report; `verified` also requires greedy consistency if asked."""
+    out = dict(report)
+    if "error" in out:
+        out["verified"] = False
+        return out
+    out["exp_mismatches"] = out.get("worst_exp_mismatches")
+    out["mant_err_mean"] = out.get("worst_mant_err_mean")
+    out["mant_err_median"] = out.get("worst_mant_err_median")
+    out["fingerprint_verified"] = bool(out.get("verified"))
+    out.update(_token_checks(out, meta))
+    verdict = out["fingerprint_verified"]
+    if expect_greedy:
+        out["expect_greedy"] = True
+        verdict = verdict and bool(out.get("greedy_consistent"))
+    out["verified"] = verdict
+    return out
