@@ -69,9 +69,12 @@ def hook_table() -> list[Hook]:
         Hook(f"{SCHED}.batch_result_processor.SchedulerBatchResultProcessor"
              ".process_batch_result_decode", A, scheduler.decode_result_around,
              "route each decode step's rows to fingerprint builders"),
+        Hook(f"{SCHED}.output_streamer.SchedulerOutputStreamer.stream_output", B,
+             scheduler.stream_output_before,
+             "prove the last partial chunks of all requests finishing in this batch at once"),
         Hook(f"{SCHED}.output_streamer._GenerationStreamAccumulator.accept", A,
              scheduler.output_accept_around,
-             "finalise fingerprints/reports of finished requests and send them with the output"),
+             "finalise verification reports and send queued results with the request's output"),
         # --- responses out -----------------------------------------------------------------
         Hook(f"{OPENAI}.serving_chat.OpenAIServingChat._build_chat_response", AF,
              openai.chat_response_after, "add the fields to choices[i].message"),

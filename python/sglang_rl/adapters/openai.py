@@ -12,6 +12,7 @@ import json
 from typing import Any, AsyncIterator, Callable, Optional
 
 from fastapi.responses import ORJSONResponse
+from pydantic import field_validator
 
 from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -29,12 +30,20 @@ class RLChatCompletionRequest(ChatCompletionRequest):
 
 
 class RLCompletionRequest(CompletionRequest):
-    """CompletionRequest plus the sglang-rl request fields."""
+    """CompletionRequest plus the sglang-rl request fields; max_tokens=0 (a prefill-only request,
+    as the verification protocol needs) is accepted like on /generate and chat."""
 
     toploc_verification_fingerprint_to_validate: Optional[Any] = None
     toploc_verification_expect_greedy: Optional[Any] = None
     return_input_ids: Optional[Any] = None
     return_output_ids: Optional[Any] = None
+
+    @field_validator("max_tokens")
+    @classmethod
+    def validate_max_tokens_positive(cls, v: Optional[int]) -> Optional[int]:
+        if v is not None and v < 0:
+            raise ValueError("max_tokens must not be negative")
+        return v
 
 
 def _is_chat_verification(request: Any) -> bool:

@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
-from sglang.srt.runtime_context import get_server_args
+from sglang.srt.runtime_context import get_parallel, get_server_args
 
 from sglang_rl.adapters import toploc, transport
 from sglang_rl.request_options import options_of
@@ -30,19 +30,29 @@ def server_capture_mode_after(result: CaptureHiddenMode, server_args: Any) -> Ca
     return result
 
 
+def _sends_outputs() -> bool:
+    """Only the first rank of each attention-TP group streams outputs; other ranks hold the same
+    rows and skip the work (no host copies, no proofs) on them."""
+    try:
+        return get_parallel().attn_tp_rank == 0
+    except Exception:
+        return True
+
+
 def req_init_after(result: None, req: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER Req.__init__: create the request's sglang-rl state and raise its capture mode."""
     options = options_of(getattr(req.sampling_params, "custom_params", None))
     state = toploc.state_for_request(options, get_server_args())
     if state is None:
         return
-    setattr(req, STATE_ATTR, state)
     needed = (
         CaptureHiddenMode.FULL
         if isinstance(state, toploc.PrefillVerification)
         else CaptureHiddenMode.LAST
     )
     req.return_hidden_states_mode = max(req.return_hidden_states_mode, needed)
+    if _sends_outputs():
+        setattr(req, STATE_ATTR, state)
 
 
 def _hidden_rows(result: Any) -> torch.Tensor | None:
@@ -52,49 +62,37 @@ def _hidden_rows(result: Any) -> torch.Tensor | None:
     return None if logits_output is None else logits_output.hidden_states
 
 
-def _dispatch(hidden: torch.Tensor, wanted: list[tuple[Any, int, int, bool]]) -> None:
-    """Hand each state its rows [lo, hi) in one host copy; builders' full chunks go off-thread."""
-    if not wanted:
-        return
-    index = torch.cat([torch.arange(lo, hi) for _, lo, hi, _ in wanted])
-    rows = hidden.index_select(0, index.to(hidden.device)).to("cpu")
-    ready: list[torch.Tensor] = []
-    owners: list[toploc.FingerprintBuilder] = []
-    at = 0
-    for state, lo, hi, _ in wanted:
-        part = rows[at : at + hi - lo]
-        at += hi - lo
-        if isinstance(state, toploc.PrefillVerification):
-            state.add_rows(part)
-        else:
-            before = len(ready)
-            state.add_rows(part, ready)
-            owners.extend([state] * (len(ready) - before))
-    toploc.submit_chunks(owners, ready, get_server_args().toploc_verification_topk)
+def _take(hidden: torch.Tensor, index: list[int]) -> torch.Tensor:
+    """Rows of the batch at the given indices, on the CPU (one gather, one host copy)."""
+    idx = torch.tensor(index, dtype=torch.long)
+    if hidden.device.type != "cpu":
+        idx = idx.to(hidden.device)
+    return hidden.index_select(0, idx).to("cpu")
 
 
 def prefill_result_around(original: Callable, processor: Any, batch: Any, result: Any) -> Any:
     """AROUND process_batch_result_prefill: route prefill rows, then let sglang process the batch."""
-    if processor.is_generation:
-        hidden = _hidden_rows(result)
-        if hidden is not None:
-            mode = processor._get_prefill_hidden_capture_mode(batch, processor.server_args)
-            wanted = []
-            offset = 0
-            for i, req in enumerate(batch.reqs):
-                n = result.extend_input_len_per_req[i] if mode.is_full() else 1
-                lo, hi = offset, offset + n
-                offset = hi
-                state = getattr(req, STATE_ATTR, None)
-                if state is None or getattr(state, "done", True):
-                    continue
-                if (req.finished() and req.inflight_middle_chunks <= 0) or req.is_retracted:
-                    continue
-                if isinstance(state, toploc.PrefillVerification):
-                    wanted.append((state, lo, hi, True))
-                elif req.inflight_middle_chunks <= 0:
-                    wanted.append((state, hi - 1, hi, False))
-            _dispatch(hidden, wanted)
+    hidden = _hidden_rows(result) if processor.is_generation else None
+    if hidden is not None:
+        mode = processor._get_prefill_hidden_capture_mode(batch, processor.server_args)
+        builders, last_rows = [], []
+        offset = 0
+        for i, req in enumerate(batch.reqs):
+            n = result.extend_input_len_per_req[i] if mode.is_full() else 1
+            lo, hi = offset, offset + n
+            offset = hi
+            state = getattr(req, STATE_ATTR, None)
+            if state is None or state.done:
+                continue
+            if (req.finished() and req.inflight_middle_chunks <= 0) or req.is_retracted:
+                continue
+            if isinstance(state, toploc.PrefillVerification):
+                state.add_rows(_take(hidden, list(range(lo, hi))))
+            elif isinstance(state, toploc.FingerprintBuilder) and req.inflight_middle_chunks <= 0:
+                builders.append(state)
+                last_rows.append(hi - 1)
+        if builders:
+            toploc.add_builder_rows(builders, _take(hidden, last_rows), _topk())
     return original(processor, batch, result)
 
 
@@ -103,16 +101,31 @@ def decode_result_around(original: Callable, processor: Any, batch: Any, result:
     hidden = _hidden_rows(result)
     if hidden is not None:
         stride = result.speculative_num_draft_tokens or 1
-        wanted = []
+        builders, rows = [], []
         for i, req in enumerate(batch.reqs):
             state = getattr(req, STATE_ATTR, None)
-            if not isinstance(state, toploc.FingerprintBuilder) or state.done:
-                continue
-            if req.finished() or req.is_retracted:
-                continue
-            wanted.append((state, i * stride, i * stride + 1, False))
-        _dispatch(hidden, wanted)
+            if isinstance(state, toploc.FingerprintBuilder) and not state.done:
+                if not (req.finished() or req.is_retracted):
+                    builders.append(state)
+                    rows.append(i * stride)
+        if builders:
+            toploc.add_builder_rows(builders, _take(hidden, rows), _topk())
     return original(processor, batch, result)
+
+
+def _topk() -> int:
+    return get_server_args().toploc_verification_topk
+
+
+def stream_output_before(streamer: Any, reqs: list, *args: Any, **kwargs: Any) -> None:
+    """BEFORE SchedulerOutputStreamer.stream_output: finalise the fingerprints of every request
+    finishing in this batch together (their last partial chunks are proven in one call)."""
+    finishing = []
+    for req in reqs:
+        state = getattr(req, STATE_ATTR, None)
+        if isinstance(state, toploc.FingerprintBuilder) and not state.done and req.finished():
+            finishing.append((state, req))
+    toploc.finish_builders(finishing)
 
 
 def output_accept_around(original: Callable, accumulator: Any, *args: Any, **kwargs: Any) -> None:
@@ -121,5 +134,5 @@ def output_accept_around(original: Callable, accumulator: Any, *args: Any, **kwa
     req = kwargs.get("req", args[0] if args else None)
     state = getattr(req, STATE_ATTR, None)
     if state is not None:
-        toploc.finish_request(state, req)
+        toploc.finish_verification(state, req)
     transport.accept_around(original, accumulator, *args, **kwargs)

@@ -63,52 +63,104 @@ def thresholds_from_server_args(server_args: Any) -> Thresholds:
     )
 
 
+class RowStore:
+    """CPU chunk buffers of all generating requests in one tensor [slots, 32, H] (bf16), so that a
+    scheduler step writes every request's row with a single indexed copy."""
+
+    def __init__(self) -> None:
+        self.data: Optional[torch.Tensor] = None
+        self._free: list[int] = []
+
+    def acquire(self, hidden_size: int) -> int:
+        if self.data is None:
+            self.data = torch.empty(64, CHUNK_ROWS, hidden_size, dtype=torch.bfloat16)
+            self._free = list(range(63, -1, -1))
+        if not self._free:
+            old = self.data.shape[0]
+            grown = torch.empty(2 * old, CHUNK_ROWS, hidden_size, dtype=torch.bfloat16)
+            grown[:old].copy_(self.data)
+            self.data = grown
+            self._free = list(range(2 * old - 1, old - 1, -1))
+        return self._free.pop()
+
+    def release(self, slot: int) -> None:
+        self._free.append(slot)
+
+
+_store = RowStore()
+
+
 class FingerprintBuilder:
     """Rows of one generating request, turned into proofs chunk by chunk."""
 
     def __init__(self, topk: int) -> None:
         self.topk = topk
         self.rows_seen = 0
-        self._buffer: Optional[torch.Tensor] = None
-        self._fill = 0
+        self.slot: Optional[int] = None
+        self.fill = 0
         self._proofs: list[tuple[Future, int]] = []
         self.done = False
-
-    def add_rows(self, rows: torch.Tensor, ready: list[torch.Tensor]) -> None:
-        """Append rows [m, H]; full chunks are appended to `ready` and owned by the caller."""
-        for row in rows:
-            if self._buffer is None:
-                self._buffer = torch.empty(CHUNK_ROWS, row.shape[-1], dtype=torch.bfloat16)
-            self._buffer[self._fill].copy_(row)
-            self._fill += 1
-            self.rows_seen += 1
-            if self._fill == CHUNK_ROWS:
-                ready.append(self._buffer)
-                self._buffer = None
-                self._fill = 0
 
     def attach(self, future: Future, index: int) -> None:
         """Record where the proof of this builder's next full chunk will come from."""
         self._proofs.append((future, index))
 
-    def finish(self) -> str:
-        """Build the last partial chunk, wait for pending proofs, return the fingerprint string."""
+    def partial_chunk(self) -> Optional[torch.Tensor]:
+        """A copy of the rows of the unfinished chunk (None if it is empty)."""
+        if not self.fill:
+            return None
+        return _store.data[self.slot, : self.fill].clone()
+
+    def finish(self, last_proof: Optional[bytes]) -> str:
+        """Wait for pending proofs and return the fingerprint string; frees the row slot."""
         self.done = True
         proofs = [future.result()[index] for future, index in self._proofs]
-        if self._fill:
-            proofs.extend(build_chunk_proofs([self._buffer[: self._fill]], self.topk))
-        self._buffer = None
+        if last_proof is not None:
+            proofs.append(last_proof)
+        if self.slot is not None:
+            _store.release(self.slot)
+            self.slot = None
         fp = Fingerprint(topk=self.topk, chunk_size=CHUNK_ROWS, n_rows=self.rows_seen, proofs=tuple(proofs))
         return encode_fingerprint(fp)
 
 
-def submit_chunks(owners: list[FingerprintBuilder], chunks: list[torch.Tensor], topk: int) -> None:
-    """Build the proofs of all chunks completed in one scheduler step in one background job."""
-    if not chunks:
+def add_builder_rows(builders: list[FingerprintBuilder], rows: torch.Tensor, topk: int) -> None:
+    """Append one row per builder (rows [m, H], CPU) with one indexed write; full chunks are
+    copied out and their proofs built in one background job."""
+    if not builders:
         return
-    future = _proof_executor().submit(build_chunk_proofs, chunks, topk)
-    for index, owner in enumerate(owners):
-        owner.attach(future, index)
+    hidden = rows.shape[-1]
+    for b in builders:
+        if b.slot is None:
+            b.slot = _store.acquire(hidden)
+    slots = [b.slot for b in builders]
+    fills = [b.fill for b in builders]
+    _store.data[slots, fills] = rows.to(torch.bfloat16)
+    full = []
+    for b in builders:
+        b.fill += 1
+        b.rows_seen += 1
+        if b.fill == CHUNK_ROWS:
+            full.append(b)
+            b.fill = 0
+    if full:
+        chunks = _store.data[[b.slot for b in full]].clone()
+        future = _proof_executor().submit(build_chunk_proofs, chunks, topk)
+        for index, b in enumerate(full):
+            b.attach(future, index)
+
+
+def finish_builders(items: list[tuple[FingerprintBuilder, Any]]) -> None:
+    """Finalise the fingerprints of requests finishing in one output batch: their last partial
+    chunks are proven together, then each fingerprint is posted to its response."""
+    if not items:
+        return
+    partials = [(b, b.partial_chunk()) for b, _ in items]
+    chunks = [c for _, c in partials if c is not None]
+    built = iter(build_chunk_proofs(chunks, items[0][0].topk) if chunks else [])
+    for (builder, req), (_, chunk) in zip(items, partials):
+        last = next(built) if chunk is not None else None
+        transport.post(req, **{FINGERPRINTS_FIELD: [builder.finish(last)]})
 
 
 class PrefillVerification:
@@ -171,13 +223,11 @@ class RejectedVerification:
         self.done = False
 
 
-def finish_request(state: object, req: Any) -> None:
-    """Post the request's fingerprint or verification report (called as its output is sent)."""
+def finish_verification(state: object, req: Any) -> None:
+    """Post a finished verification request's report (called as its output is sent)."""
     if getattr(state, "done", True) or not req.finished():
         return
-    if isinstance(state, FingerprintBuilder):
-        transport.post(req, **{FINGERPRINTS_FIELD: [state.finish()]})
-    elif isinstance(state, PrefillVerification):
+    if isinstance(state, PrefillVerification):
         try:
             report = state.finish(len(req.origin_input_ids))
         except FingerprintError as exc:

@@ -1,0 +1,66 @@
+"""Helpers shared by the benchmark scripts: model folders and timed Engine runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+LLAMA_8B_SHAPE = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "vocab_size": 49152,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
+
+
+def make_dummy_8b(target: Path, tokenizer_dir: Path) -> Path:
+    """A Llama-3.1-8B-shaped folder (config + the SmolLM2 tokenizer) for --load-format dummy."""
+    target.mkdir(parents=True, exist_ok=True)
+    (target / "config.json").write_text(json.dumps(LLAMA_8B_SHAPE))
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        src = tokenizer_dir / name
+        if src.exists():
+            (target / name).write_bytes(src.read_bytes())
+    return target
+
+
+def random_prompts(n: int, length: int, seed: int = 0, low: int = 100, high: int = 49000) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randint(low, high) for _ in range(length)] for _ in range(n)]
+
+
+def engine_kwargs(model_path: str, dummy: bool, gpu: bool, **extra) -> dict:
+    kw = dict(model_path=model_path, log_level="error")
+    if dummy:
+        kw["load_format"] = "dummy"
+    if gpu:
+        kw.update(attention_backend="triton", sampling_backend="pytorch", mem_fraction_static=0.8)
+    else:
+        kw.update(device="cpu", attention_backend="torch_native", dtype="float32", max_total_tokens=16384)
+    kw.update(extra)
+    return kw
+
+
+def print_table(rows: list[dict], columns: list[str]) -> None:
+    widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in columns]
+    print("| " + " | ".join(c.ljust(w) for c, w in zip(columns, widths)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for r in rows:
+        print("| " + " | ".join(str(r.get(c, "")).ljust(w) for c, w in zip(columns, widths)) + " |")
+
+
+def on_gpu() -> bool:
+    return os.environ.get("SGLANG_USE_CPU_ENGINE") != "1"

@@ -1,0 +1,196 @@
+"""Batched TOPLOC proof building, byte-identical to ``toploc`` 0.1.6.
+
+A TOPLOC proof of a chunk of activations is the polynomial over GF(65497) that maps each of the
+chunk's top-k flat indices (by magnitude, reduced by an "injective modulus") to the bf16 bit
+pattern of the value stored there. toploc builds proofs one chunk at a time; here the top-k
+selection runs as one batched call on the activations' device and the interpolation runs
+vectorised over all proofs on the CPU, so fingerprinting many sequences costs a few tensor ops
+instead of a Python loop per chunk.
+
+Serialised proof layout (toploc's ``ProofPoly.to_bytes``): the modulus as u16 big-endian, then the
+k polynomial coefficients in ascending degree, each as u16 big-endian (2 + 2k bytes).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+
+import torch
+
+PRIME = 65497
+"""The field prime of toploc's interpolation, also the first candidate modulus."""
+
+MAX_FLAT_INDEX = 2**31 - 1
+"""toploc stores flat indices as C ints: a chunk may hold at most this many elements."""
+
+_FIRST_BLOCKS = (1, 16)
+_BLOCK = 256
+_MAX_SEARCH_ELEMENTS = 2**22
+
+_inverse_table: torch.Tensor | None = None
+
+
+def proof_num_bytes(topk: int) -> int:
+    """Size of one serialised proof: u16 modulus plus ``topk`` u16 coefficients."""
+    return 2 + 2 * topk
+
+
+def _inverses() -> torch.Tensor:
+    """Table of modular inverses mod PRIME (entry 0 is 0), built once by Fermat's little theorem."""
+    global _inverse_table
+    if _inverse_table is None:
+        base = torch.arange(PRIME, dtype=torch.int64)
+        result = torch.ones_like(base)
+        exponent = PRIME - 2
+        while exponent:
+            if exponent & 1:
+                result = result * base % PRIME
+            base = base * base % PRIME
+            exponent >>= 1
+        _inverse_table = result
+    return _inverse_table
+
+
+def select_topk(flat: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k of |x| per row of ``flat`` [B, N] on its own device, after rounding to bfloat16.
+
+    Rounding first matters: proof values are bf16 bit patterns and the ranking must be the one
+    toploc computes on the bf16 tensor. Returns (indices int64 [B, k], bf16 bit patterns as
+    int32 [B, k] in 0..65535), both on ``flat``'s device.
+    """
+    if flat.dim() != 2:
+        raise ValueError(f"select_topk expects a 2-D [batch, elements] tensor, got {flat.shape}")
+    if topk < 1:
+        raise ValueError(f"topk must be at least 1, got {topk}")
+    if flat.shape[1] < topk:
+        raise ValueError(f"each row needs at least topk={topk} elements, got {flat.shape[1]}")
+    values = flat.to(torch.bfloat16)
+    indices = values.abs().topk(topk, dim=1).indices
+    bits = values.gather(1, indices).view(torch.int16).to(torch.int32) & 0xFFFF
+    return indices, bits
+
+
+def _injective_moduli(indices: torch.Tensor) -> torch.Tensor:
+    """Largest m <= PRIME per row such that the row's indices are pairwise distinct mod m.
+
+    Candidates are tried in descending blocks (first 65497 alone, since almost every row stops
+    there), each block tested for all still-open rows at once by sorting the residues; blocks
+    shrink so that one block's residues stay within _MAX_SEARCH_ELEMENTS.
+    """
+    batch, k = indices.shape
+    moduli = torch.zeros(batch, dtype=torch.int64)
+    open_rows = torch.arange(batch)
+    top = PRIME
+    block_sizes = list(_FIRST_BLOCKS)
+    while open_rows.numel() and top >= 1:
+        wanted = block_sizes.pop(0) if block_sizes else _BLOCK
+        size = min(wanted, top, max(1, _MAX_SEARCH_ELEMENTS // (open_rows.numel() * k)))
+        candidates = torch.arange(top, top - size, -1, dtype=torch.int64)
+        residues = indices[open_rows].unsqueeze(1) % candidates.view(1, -1, 1)
+        ordered = residues.sort(dim=2).values
+        injective = (ordered[..., 1:] != ordered[..., :-1]).all(dim=2)
+        found = injective.any(dim=1)
+        first = injective.to(torch.int8).argmax(dim=1)
+        moduli[open_rows[found]] = candidates[first[found]]
+        open_rows = open_rows[~found]
+        top -= size
+    if open_rows.numel():
+        raise ValueError("no injective modulus <= 65497 exists for these top-k indices")
+    return moduli
+
+
+def _newton_coefficients(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Ascending coefficients of the interpolating polynomial mod PRIME, one row per proof.
+
+    ``x`` [B, k] holds distinct values in 0..PRIME-1 per row, ``y`` [B, k] values in 0..PRIME-1.
+    Newton divided differences, then Horner-style expansion of the Newton form in place: the
+    polynomial of degree d lives in columns k-1-d.. and each step multiplies it by (t - x_i).
+    Every intermediate stays below PRIME**2 + PRIME < 2**33 in magnitude, far inside int64.
+    """
+    inverse = _inverses()
+    batch, k = x.shape
+    dd = y.clone()
+    for step in range(1, k):
+        numerator = dd[:, step:] - dd[:, step - 1 : -1]
+        denominator = (x[:, step:] - x[:, : k - step]) % PRIME
+        dd[:, step:] = numerator * inverse[denominator] % PRIME
+    coeffs = torch.zeros_like(dd)
+    coeffs[:, k - 1] = dd[:, k - 1]
+    for i in range(k - 2, -1, -1):
+        coeffs[:, i : k - 1] -= x[:, i : i + 1] * coeffs[:, i + 1 :]
+        coeffs[:, i] += dd[:, i]
+        coeffs[:, i:] %= PRIME
+    return coeffs
+
+
+def interpolate(indices: torch.Tensor, value_bits: torch.Tensor) -> list[bytes]:
+    """Serialised toploc proofs for rows of top-k flat indices and their bf16 bit patterns.
+
+    ``indices`` [B, k] (distinct non-negative per row, < 2**31) and ``value_bits`` [B, k]
+    (0..65535) on the CPU. Returns B byte strings of 2 + 2k bytes in toploc's layout.
+    """
+    if indices.dim() != 2 or indices.shape != value_bits.shape:
+        raise ValueError(
+            f"indices and value_bits must be equal 2-D shapes, got {tuple(indices.shape)} "
+            f"and {tuple(value_bits.shape)}"
+        )
+    batch, k = indices.shape
+    if batch == 0:
+        return []
+    if k == 0:
+        raise ValueError("topk must be at least 1")
+    x = indices.to("cpu", torch.int64)
+    y = value_bits.to("cpu", torch.int64)
+    if int(x.min()) < 0 or int(x.max()) > MAX_FLAT_INDEX:
+        raise ValueError(f"flat indices must lie in 0..{MAX_FLAT_INDEX}")
+    if int(y.min()) < 0 or int(y.max()) > 0xFFFF:
+        raise ValueError("value_bits must be 16-bit patterns in 0..65535")
+    ordered = x.sort(dim=1).values
+    if bool((ordered[:, 1:] == ordered[:, :-1]).any()):
+        raise ValueError("indices must be distinct within each row")
+    moduli = _injective_moduli(x)
+    coeffs = _newton_coefficients(x % moduli.unsqueeze(1), y % PRIME)
+    words = torch.cat([moduli.unsqueeze(1), coeffs], dim=1)
+    packed = torch.stack([words >> 8, words & 0xFF], dim=2).to(torch.uint8).reshape(batch, -1)
+    raw = packed.numpy().tobytes()
+    width = proof_num_bytes(k)
+    return [raw[row * width : (row + 1) * width] for row in range(batch)]
+
+
+def build_chunk_proofs(chunks: Sequence[torch.Tensor] | torch.Tensor, topk: int) -> list[bytes]:
+    """toploc proofs for chunks of activation rows, one proof per chunk, in input order.
+
+    ``chunks`` is a list of [r_i, H] tensors or one [B, R, H] tensor; each proof equals
+    ``toploc.build_proofs_bytes(chunk, decode_batching_size=r_i, topk=topk, skip_prefill=True)``.
+    Chunks with the same element count share one ``select_topk`` call on their device.
+    """
+    if isinstance(chunks, torch.Tensor):
+        if chunks.dim() < 2:
+            raise ValueError(f"a chunk batch tensor needs at least 2 dims, got {chunks.shape}")
+        if chunks.shape[0] == 0:
+            return []
+        flat = chunks.reshape(chunks.shape[0], -1)
+        if flat.shape[1] < topk:
+            raise ValueError(f"each chunk has {flat.shape[1]} elements, fewer than topk={topk}")
+        if flat.shape[1] - 1 > MAX_FLAT_INDEX:
+            raise ValueError("chunks have more than 2**31 elements")
+        indices, bits = select_topk(flat, topk)
+        return interpolate(indices.cpu(), bits.cpu())
+    chunk_list = list(chunks)
+    groups: dict[tuple[int, torch.device], list[int]] = defaultdict(list)
+    for position, chunk in enumerate(chunk_list):
+        if chunk.numel() < topk:
+            raise ValueError(
+                f"chunk {position} has {chunk.numel()} elements, fewer than topk={topk}"
+            )
+        if chunk.numel() - 1 > MAX_FLAT_INDEX:
+            raise ValueError(f"chunk {position} has more than 2**31 elements")
+        groups[(chunk.numel(), chunk.device)].append(position)
+    proofs: list[bytes] = [b""] * len(chunk_list)
+    for positions in groups.values():
+        flat = torch.stack([chunk_list[p].reshape(-1) for p in positions])
+        indices, bits = select_topk(flat, topk)
+        for position, proof in zip(positions, interpolate(indices.cpu(), bits.cpu())):
+            proofs[position] = proof
+    return proofs

@@ -1,0 +1,115 @@
+"""Shared fixtures: the default model and real sglang server processes on the CPU."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import requests
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "test"))
+
+
+@pytest.fixture(scope="session")
+def model_path() -> str:
+    from sglang_rl.default_model import ensure_default_model
+
+    return str(ensure_default_model())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A `python -m sglang.launch_server` process on the CPU, stopped by `stop()`."""
+
+    def __init__(self, model: str, *extra: str, env: dict | None = None, log_name: str = "server") -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        log_dir = Path(os.environ.get("SGLANG_RL_TEST_LOGS", "/tmp/sglang-rl-test-logs"))
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_dir / f"{log_name}-{self.port}.log"
+        cmd = [
+            sys.executable, "-m", "sglang.launch_server", "--model-path", model,
+            "--device", "cpu", "--attention-backend", "torch_native",
+            "--max-total-tokens", "16384", "--dtype", "float32",
+            "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning",
+            *extra,
+        ]
+        full_env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", **(env or {})}
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
+                                     start_new_session=True)
+        self._wait_healthy()
+
+    def _wait_healthy(self, timeout: float = 420.0) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited early, see {self.log_path}:\n{self.log_path.read_text()[-3000:]}")
+            try:
+                if requests.get(self.url + "/health_generate", timeout=30).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(2)
+        self.stop()
+        raise RuntimeError(f"server not healthy after {timeout}s, see {self.log_path}")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, 15)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, 9)
+        self._log.close()
+
+
+@pytest.fixture(scope="session")
+def toploc_server(model_path: str) -> Iterator[Server]:
+    """The main test server: --toploc-verification, radix cache on, default chunked prefill."""
+    server = Server(model_path, "--toploc-verification", log_name="toploc")
+    yield server
+    server.stop()
+
+
+def start_servers(specs: list[tuple[tuple, dict]]) -> list[Server]:
+    """Start several servers at once (each spec: (args, kwargs) of `Server`); if one fails, stop
+    the others and raise."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(specs)) as pool:
+        futures = [pool.submit(Server, *args, **kwargs) for args, kwargs in specs]
+    servers, errors = [], []
+    for future in futures:
+        try:
+            servers.append(future.result())
+        except Exception as exc:  # noqa: BLE001 - re-raised below after cleanup
+            errors.append(exc)
+    if errors:
+        for server in servers:
+            server.stop()
+        raise errors[0]
+    return servers
+
+
+@pytest.fixture(scope="session")
+def plain_server(model_path: str) -> Iterator[Server]:
+    """The plugin loaded (entry point) but no sglang-rl flag given."""
+    server = Server(model_path, log_name="plain")
+    yield server
+    server.stop()
