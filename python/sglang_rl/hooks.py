@@ -63,6 +63,12 @@ def hook_table() -> list[Hook]:
              "with --toploc-verification every batch (and every CUDA graph) captures LAST rows"),
         Hook(f"{SRT}.managers.schedule_batch.Req.__init__", AF, scheduler.req_init_after,
              "attach per-request state; raise only that request's capture mode"),
+        Hook(f"{SRT}.managers.schedule_batch.Req._compute_max_prefix_len", A,
+             scheduler.max_prefix_len_around,
+             "requests that want prompt rows recompute them instead of taking them from the cache"),
+        Hook(f"{SRT}.managers.schedule_batch.Req.update_finish_state", A,
+             scheduler.update_finish_state_around,
+             "return_final_hidden_state: one deferred decode step gives the last token its row"),
         Hook(f"{SCHED}.batch_result_processor.SchedulerBatchResultProcessor"
              ".process_batch_result_prefill", A, scheduler.prefill_result_around,
              "route prefill rows to fingerprint builders / verifications"),

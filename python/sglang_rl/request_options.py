@@ -18,7 +18,13 @@ TOPLOC_FIELDS = (
     "toploc_verification_expect_greedy",
 )
 IDS_FIELDS = ("return_input_ids", "return_output_ids")
-ALL_FIELDS = TOPLOC_FIELDS + IDS_FIELDS
+HIDDEN_STATES_FIELDS = (
+    "hidden_states_format",
+    "hidden_states_scope",
+    "hidden_states_last_n",
+    "return_final_hidden_state",
+)
+ALL_FIELDS = TOPLOC_FIELDS + IDS_FIELDS + HIDDEN_STATES_FIELDS
 
 # Internal keys set by the API layer, never by users.
 RESPONSE_START_KEY = "toploc_response_start"
@@ -34,7 +40,8 @@ def pop_fields(source: dict) -> dict:
 
 
 def validate_fields(fields: dict, server_args: Any) -> dict:
-    """Check types and server support of user-supplied fields; return the custom_params entry."""
+    """Check types and server support of the TOPLOC and id fields; return the custom_params
+    entry (hidden-state fields are validated by sglang_rl.hidden_states)."""
     out: dict = {}
     fp = fields.get("toploc_verification_fingerprint_to_validate")
     if fp is not None:

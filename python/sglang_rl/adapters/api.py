@@ -14,11 +14,14 @@ from typing import Any, AsyncIterator, Callable, Optional
 
 from sglang.srt.managers.io_struct import GenerateReqInput
 
+from sglang_rl.adapters import hidden_states as hs_adapter
 from sglang_rl.adapters import transport
 from sglang_rl.adapters.toploc import FINGERPRINTS_FIELD, RESULT_FIELD
 from sglang_rl.fingerprint import FingerprintError, decode_fingerprint
+from sglang_rl.hidden_states import HiddenStatesOptions
 from sglang_rl.request_options import (
     ALL_FIELDS,
+    HIDDEN_STATES_FIELDS,
     CUSTOM_PARAMS_KEY,
     RESPONSE_START_KEY,
     RequestOptionError,
@@ -32,7 +35,10 @@ _IMPLICIT_LOGPROBS = "_sglang_rl_implicit_logprobs"
 _RESULTS = "_sglang_rl_results"
 
 # Response fields this plugin adds to meta_info (and to OpenAI choices).
-RESPONSE_FIELDS = (FINGERPRINTS_FIELD, RESULT_FIELD, "input_ids", "output_ids")
+RESPONSE_FIELDS = (
+    FINGERPRINTS_FIELD, RESULT_FIELD, "input_ids", "output_ids",
+    hs_adapter.ROWS_FIELD, hs_adapter.POSITIONS_FIELD,
+)
 
 
 @dataclasses.dataclass
@@ -43,6 +49,10 @@ class RLGenerateReqInput(GenerateReqInput):
     toploc_verification_expect_greedy: Optional[bool] = None
     return_input_ids: Optional[bool] = None
     return_output_ids: Optional[bool] = None
+    hidden_states_format: Optional[str] = None
+    hidden_states_scope: Optional[str] = None
+    hidden_states_last_n: Optional[int] = None
+    return_final_hidden_state: Optional[bool] = None
 
 
 def _sampling_dicts(obj: Any) -> list[dict]:
@@ -59,7 +69,30 @@ def _prompt_len(obj: Any) -> Optional[int]:
     return None
 
 
-def prepare_request(obj: Any, server_args: Any) -> None:
+def _hidden_states_entry(obj: Any, fields: dict, server_args: Any, in_process: bool) -> dict:
+    """Validate the hidden-state fields; a request that uses them leaves upstream's path."""
+    hs_fields = {k: fields.pop(k) for k in HIDDEN_STATES_FIELDS if k in fields}
+    if not hs_fields:
+        return {}
+    requested = obj.return_hidden_states
+    if isinstance(requested, list):
+        requested = requested[0] if requested else False
+    opts = HiddenStatesOptions.from_request(requested, **hs_fields, allow_tensor_format=in_process)
+    if not opts.enabled:
+        return {}
+    allowed = getattr(server_args, "return_hidden_states_mode", None)
+    if allowed is None or (opts.mode.value == "full" and allowed != "full"):
+        raise RequestOptionError(
+            f"return_hidden_states={requested!r} needs a server started with "
+            "--enable-return-hidden-states (or --return-hidden-states-mode full)"
+        )
+    if getattr(server_args, "speculative_algorithm", None):
+        raise RequestOptionError("hidden_states_* fields are not supported with speculative decoding yet")
+    obj.return_hidden_states = False
+    return hs_adapter.options_to_entry(opts)
+
+
+def prepare_request(obj: Any, server_args: Any, in_process: bool = False) -> None:
     """Validate the sglang-rl fields of one GenerateReqInput and move them into custom_params."""
     if not isinstance(obj, GenerateReqInput):
         return
@@ -76,7 +109,9 @@ def prepare_request(obj: Any, server_args: Any) -> None:
     for params in dicts:
         entry = (params.get("custom_params") or {}).get(CUSTOM_PARAMS_KEY) or {}
         internal.update({k: v for k, v in entry.items() if k == RESPONSE_START_KEY})
+    hs_entry = _hidden_states_entry(obj, fields, server_args, in_process)
     entry = validate_fields(fields, server_args)
+    entry.update(hs_entry)
     if "toploc_verification_fingerprint_to_validate" in entry:
         _prepare_verification(obj, entry, internal, server_args)
     if entry.get("return_input_ids"):
@@ -128,6 +163,11 @@ def _finish_meta(out: dict, obj: Any) -> None:
     payload = transport.collect(meta)
     if FINGERPRINTS_FIELD in payload:
         meta[FINGERPRINTS_FIELD] = payload[FINGERPRINTS_FIELD]
+    for key in (hs_adapter.ROWS_FIELD, hs_adapter.POSITIONS_FIELD):
+        if key in payload:
+            meta[key] = payload[key]
+    if "hidden_states_error" in payload:
+        meta["hidden_states_error"] = payload["hidden_states_error"]
     if RESULT_FIELD in payload:
         report = finalize_report(payload[RESULT_FIELD], meta, _expect_greedy(obj))
         meta[RESULT_FIELD] = json.dumps(report)
@@ -165,7 +205,7 @@ def generate_request_around(original: Callable, manager: Any, obj: Any, request:
     """AROUND TokenizerManager.generate_request (an async generator)."""
 
     async def run():
-        prepare_request(obj, manager.server_args)
+        prepare_request(obj, manager.server_args, in_process=request is None)
         async for out in original(manager, obj, request):
             for item in out if isinstance(out, list) else [out]:
                 if isinstance(item, dict):

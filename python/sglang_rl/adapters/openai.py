@@ -17,7 +17,12 @@ from pydantic import field_validator
 from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 from sglang_rl.adapters.api import RESPONSE_FIELDS, results_of
-from sglang_rl.request_options import ALL_FIELDS, CUSTOM_PARAMS_KEY, RESPONSE_START_KEY
+from sglang_rl.request_options import (
+    ALL_FIELDS,
+    CUSTOM_PARAMS_KEY,
+    HIDDEN_STATES_FIELDS,
+    RESPONSE_START_KEY,
+)
 
 
 class RLChatCompletionRequest(ChatCompletionRequest):
@@ -27,6 +32,10 @@ class RLChatCompletionRequest(ChatCompletionRequest):
     toploc_verification_expect_greedy: Optional[Any] = None
     return_input_ids: Optional[Any] = None
     return_output_ids: Optional[Any] = None
+    hidden_states_format: Optional[Any] = None
+    hidden_states_scope: Optional[Any] = None
+    hidden_states_last_n: Optional[Any] = None
+    return_final_hidden_state: Optional[Any] = None
 
 
 class RLCompletionRequest(CompletionRequest):
@@ -37,6 +46,10 @@ class RLCompletionRequest(CompletionRequest):
     toploc_verification_expect_greedy: Optional[Any] = None
     return_input_ids: Optional[Any] = None
     return_output_ids: Optional[Any] = None
+    hidden_states_format: Optional[Any] = None
+    hidden_states_scope: Optional[Any] = None
+    hidden_states_last_n: Optional[Any] = None
+    return_final_hidden_state: Optional[Any] = None
 
     @field_validator("max_tokens")
     @classmethod
@@ -93,6 +106,9 @@ def _copy_fields(request: Any, adapted: Any) -> None:
         value = getattr(request, name, None)
         if value is not None:
             setattr(adapted, name, value)
+    if any(getattr(request, name, None) is not None for name in HIDDEN_STATES_FIELDS):
+        # our fields take over hidden states: upstream's OpenAI post-processing must not run
+        request.return_hidden_states = False
 
 
 def _set_internal(adapted: Any, key: str, value: Any) -> None:

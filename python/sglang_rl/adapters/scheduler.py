@@ -16,10 +16,13 @@ import torch
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 from sglang.srt.runtime_context import get_parallel, get_server_args
 
-from sglang_rl.adapters import toploc, transport
+from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+from sglang_rl.adapters import hidden_states, toploc, transport
 from sglang_rl.request_options import options_of
 
 STATE_ATTR = "_sglang_rl_toploc"
+HS_ATTR = "_sglang_rl_hidden_states"
 
 
 def server_capture_mode_after(result: CaptureHiddenMode, server_args: Any) -> CaptureHiddenMode:
@@ -42,17 +45,55 @@ def _sends_outputs() -> bool:
 def req_init_after(result: None, req: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER Req.__init__: create the request's sglang-rl state and raise its capture mode."""
     options = options_of(getattr(req.sampling_params, "custom_params", None))
+    sends = _sends_outputs()
     state = toploc.state_for_request(options, get_server_args())
-    if state is None:
-        return
-    needed = (
-        CaptureHiddenMode.FULL
-        if isinstance(state, toploc.PrefillVerification)
-        else CaptureHiddenMode.LAST
-    )
-    req.return_hidden_states_mode = max(req.return_hidden_states_mode, needed)
-    if _sends_outputs():
-        setattr(req, STATE_ATTR, state)
+    if state is not None:
+        needed = (
+            CaptureHiddenMode.FULL
+            if isinstance(state, toploc.PrefillVerification)
+            else CaptureHiddenMode.LAST
+        )
+        req.return_hidden_states_mode = max(req.return_hidden_states_mode, needed)
+        if sends:
+            setattr(req, STATE_ATTR, state)
+    hs_options = hidden_states.options_from_entry(options)
+    if hs_options is not None and hs_options.enabled:
+        collector = hidden_states.RowCollector(hs_options, len(req.origin_input_ids))
+        needed = CaptureHiddenMode.FULL if collector.needs_prompt_rows else CaptureHiddenMode.LAST
+        req.return_hidden_states_mode = max(req.return_hidden_states_mode, needed)
+        setattr(req, HS_ATTR, collector)
+
+
+def max_prefix_len_around(original: Callable, req: Any, *args: Any, **kwargs: Any) -> int:
+    """AROUND Req._compute_max_prefix_len: a request that wants prompt rows must recompute them,
+    so the radix cache may only serve the prefix before the first wanted row."""
+    result = original(req, *args, **kwargs)
+    collector = getattr(req, HS_ATTR, None)
+    limit = collector.prefix_limit() if collector is not None else None
+    return result if limit is None else min(result, limit)
+
+
+def update_finish_state_around(original: Callable, req: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND Req.update_finish_state: for return_final_hidden_state, defer a request's finish by
+    one decode step so its last token gets a forward pass on its own KV cache; the extra token is
+    cut by finished_len, exactly like a speculative overshoot."""
+    collector = getattr(req, HS_ATTR, None)
+    if collector is None or not collector.options.final_row:
+        return original(req, *args, **kwargs)
+    if collector.deferred is not None:
+        req.finished_reason, req.finished_len = collector.deferred
+        collector.deferred = None
+        collector.final_step_done = True
+        collector.has_final_row = True
+        return None
+    result = original(req, *args, **kwargs)
+    if (req.finished() and not collector.final_step_done
+            and not isinstance(req.finished_reason, FINISH_ABORT) and req.output_ids):
+        finished_len = req.finished_len if req.finished_len is not None else len(req.output_ids)
+        collector.deferred = (req.finished_reason, finished_len)
+        req.finished_reason = None
+        req.finished_len = None
+    return result
 
 
 def _hidden_rows(result: Any) -> torch.Tensor | None:
@@ -81,10 +122,17 @@ def prefill_result_around(original: Callable, processor: Any, batch: Any, result
             n = result.extend_input_len_per_req[i] if mode.is_full() else 1
             lo, hi = offset, offset + n
             offset = hi
+            if (req.finished() and req.inflight_middle_chunks <= 0) or req.is_retracted:
+                continue
+            collector = getattr(req, HS_ATTR, None)
+            if collector is not None and not collector.done:
+                last_chunk = req.inflight_middle_chunks <= 0
+                if collector.needs_prompt_rows and mode.is_full():
+                    collector.add_prefill(_take(hidden, list(range(lo, hi))), last_chunk)
+                elif last_chunk:
+                    collector.add_prefill(_take(hidden, [hi - 1]), True)
             state = getattr(req, STATE_ATTR, None)
             if state is None or state.done:
-                continue
-            if (req.finished() and req.inflight_middle_chunks <= 0) or req.is_retracted:
                 continue
             if isinstance(state, toploc.PrefillVerification):
                 state.add_rows(_take(hidden, list(range(lo, hi))))
@@ -102,7 +150,12 @@ def decode_result_around(original: Callable, processor: Any, batch: Any, result:
     if hidden is not None:
         stride = result.speculative_num_draft_tokens or 1
         builders, rows = [], []
+        collectors, collector_rows = [], []
         for i, req in enumerate(batch.reqs):
+            collector = getattr(req, HS_ATTR, None)
+            if collector is not None and not collector.done and not (req.finished() or req.is_retracted):
+                collectors.append((collector, len(req.origin_input_ids) + len(req.output_ids) - 1))
+                collector_rows.append(i * stride)
             state = getattr(req, STATE_ATTR, None)
             if isinstance(state, toploc.FingerprintBuilder) and not state.done:
                 if not (req.finished() or req.is_retracted):
@@ -110,6 +163,10 @@ def decode_result_around(original: Callable, processor: Any, batch: Any, result:
                     rows.append(i * stride)
         if builders:
             toploc.add_builder_rows(builders, _take(hidden, rows), _topk())
+        if collectors:
+            taken = _take(hidden, collector_rows)
+            for (collector, position), row in zip(collectors, taken):
+                collector.add_decode(row, position)
     return original(processor, batch, result)
 
 
@@ -120,12 +177,18 @@ def _topk() -> int:
 def stream_output_before(streamer: Any, reqs: list, *args: Any, **kwargs: Any) -> None:
     """BEFORE SchedulerOutputStreamer.stream_output: finalise the fingerprints of every request
     finishing in this batch together (their last partial chunks are proven in one call)."""
-    finishing = []
+    finishing, collectors = [], []
     for req in reqs:
+        if not req.finished():
+            continue
         state = getattr(req, STATE_ATTR, None)
-        if isinstance(state, toploc.FingerprintBuilder) and not state.done and req.finished():
+        if isinstance(state, toploc.FingerprintBuilder) and not state.done:
             finishing.append((state, req))
+        collector = getattr(req, HS_ATTR, None)
+        if collector is not None and not collector.done and _sends_outputs():
+            collectors.append((collector, req))
     toploc.finish_builders(finishing)
+    hidden_states.finish_collectors(collectors)
 
 
 def output_accept_around(original: Callable, accumulator: Any, *args: Any, **kwargs: Any) -> None:
