@@ -1,0 +1,101 @@
+"""Hidden-state delivery on a real sglang Engine: output tok/s of plain decoding vs upstream's
+list path vs sglang-rl's binary path, in one run. Prints a markdown table.
+
+GPU (8B-shaped dummy weights):  python benchmark/bench_hidden_states.py --model-path /tmp/m8b --dummy
+CPU smoke run (default model):   python benchmark/bench_hidden_states.py --cpu --shapes 4x16x16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import engine_kwargs, print_table, random_prompts  # noqa: E402
+
+# mode -> extra generate() arguments (None: the plain baseline Engine, flag off)
+MODES = {
+    "plain": None,
+    "last (upstream)": {"return_hidden_states": "last"},
+    "full-list (upstream)": {"return_hidden_states": True},
+    "full-binary (sglang-rl)": {"return_hidden_states": True, "hidden_states_format": "base64"},
+    "full-tensor (sglang-rl)": {"return_hidden_states": True, "hidden_states_format": "tensor"},
+    "response-scope (sglang-rl)": {"return_hidden_states": True, "hidden_states_format": "base64",
+                                   "hidden_states_scope": "response"},
+}
+
+
+def payload_bytes(meta: dict) -> int:
+    hs = meta.get("hidden_states")
+    if isinstance(hs, dict):
+        return len(hs.get("data", ""))
+    if hs is None:
+        return 0
+    if hasattr(hs, "element_size"):
+        return hs.numel() * hs.element_size()
+    return len(json.dumps(hs))
+
+
+def run_group(args: argparse.Namespace, group: str) -> list[dict]:
+    import sglang as sgl
+
+    names = ["plain"] if group == "plain" else [m for m in MODES if m != "plain"]
+    extra = {} if group == "plain" else {"enable_return_hidden_states": True}
+    llm = sgl.Engine(**engine_kwargs(args.model_path, args.dummy, not args.cpu, **extra))
+    rows = []
+    for shape in args.shapes:
+        n, lin, lout = (int(x) for x in shape.split("x"))
+        prompts = random_prompts(n, lin, seed=lin)
+        sp = {"max_new_tokens": lout, "temperature": 0, "ignore_eos": True}
+        for name in names:
+            kw = MODES[name] or {}
+            llm.generate(input_ids=prompts[:2], sampling_params={**sp, "max_new_tokens": 4}, **kw)
+            t = time.time()
+            outs = llm.generate(input_ids=prompts, sampling_params=sp, **kw)
+            dt = time.time() - t
+            toks = sum(o["meta_info"]["completion_tokens"] for o in outs)
+            rows.append({"shape": shape, "mode": name, "out_tok_per_s": round(toks / dt, 1),
+                         "payload_MB_per_req": round(payload_bytes(outs[0]["meta_info"]) / 2**20, 2)})
+    llm.shutdown()
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-path")
+    p.add_argument("--dummy", action="store_true")
+    p.add_argument("--cpu", action="store_true")
+    p.add_argument("--shapes", nargs="+", default=["64x128x128", "64x512x512"],
+                   help="requests x prompt tokens x output tokens")
+    p.add_argument("--group", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.model_path is None:
+        from sglang_rl.default_model import ensure_default_model
+
+        args.model_path = str(ensure_default_model())
+    if args.group:
+        print("RESULT " + json.dumps(run_group(args, args.group)), flush=True)
+        return
+    rows = []
+    for group in ("plain", "hidden"):
+        out = subprocess.run([sys.executable, __file__, "--group", group] + sys.argv[1:],
+                             capture_output=True, text=True)
+        line = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
+        if not line:
+            print(out.stdout[-3000:], out.stderr[-6000:])
+            raise SystemExit(f"group {group} failed")
+        rows += json.loads(line[-1][len("RESULT "):])
+    base = {r["shape"]: r["out_tok_per_s"] for r in rows if r["mode"] == "plain"}
+    for r in rows:
+        r["vs_plain"] = round(r["out_tok_per_s"] / base[r["shape"]], 3)
+    rows.sort(key=lambda r: (r["shape"], list(MODES).index(r["mode"])))
+    print("\nHidden-state delivery, greedy, ignore_eos; shape = requests x prompt x output tokens")
+    print_table(rows, ["shape", "mode", "out_tok_per_s", "vs_plain", "payload_MB_per_req"])
+
+
+if __name__ == "__main__":
+    main()
