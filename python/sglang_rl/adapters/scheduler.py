@@ -103,8 +103,16 @@ def _hidden_rows(result: Any) -> torch.Tensor | None:
     return None if logits_output is None else logits_output.hidden_states
 
 
+def _rows_wanted(processor: Any) -> bool:
+    """Whether this server can have requests that need rows (else the hooks step aside)."""
+    args = processor.server_args
+    return bool(getattr(args, "toploc_verification", False) or args.return_hidden_states_mode)
+
+
 def _take(hidden: torch.Tensor, index: list[int]) -> torch.Tensor:
     """Rows of the batch at the given indices, on the CPU (one gather, one host copy)."""
+    if index == list(range(hidden.shape[0])):
+        return hidden.to("cpu")
     idx = torch.tensor(index, dtype=torch.long)
     if hidden.device.type != "cpu":
         idx = idx.to(hidden.device)
@@ -113,7 +121,7 @@ def _take(hidden: torch.Tensor, index: list[int]) -> torch.Tensor:
 
 def prefill_result_around(original: Callable, processor: Any, batch: Any, result: Any) -> Any:
     """AROUND process_batch_result_prefill: route prefill rows, then let sglang process the batch."""
-    hidden = _hidden_rows(result) if processor.is_generation else None
+    hidden = _hidden_rows(result) if processor.is_generation and _rows_wanted(processor) else None
     if hidden is not None:
         mode = processor._get_prefill_hidden_capture_mode(batch, processor.server_args)
         builders, last_rows = [], []
@@ -146,7 +154,7 @@ def prefill_result_around(original: Callable, processor: Any, batch: Any, result
 
 def decode_result_around(original: Callable, processor: Any, batch: Any, result: Any) -> Any:
     """AROUND process_batch_result_decode: the row of each running request produced its token."""
-    hidden = _hidden_rows(result)
+    hidden = _hidden_rows(result) if _rows_wanted(processor) else None
     if hidden is not None:
         stride = result.speculative_num_draft_tokens or 1
         builders, rows = [], []
@@ -177,6 +185,9 @@ def _topk() -> int:
 def stream_output_before(streamer: Any, reqs: list, *args: Any, **kwargs: Any) -> None:
     """BEFORE SchedulerOutputStreamer.stream_output: finalise the fingerprints of every request
     finishing in this batch together (their last partial chunks are proven in one call)."""
+    args = get_server_args()
+    if not (getattr(args, "toploc_verification", False) or args.return_hidden_states_mode):
+        return
     finishing, collectors = [], []
     for req in reqs:
         if not req.finished():

@@ -135,7 +135,7 @@ def add_builder_rows(builders: list[FingerprintBuilder], rows: torch.Tensor, top
             b.slot = _store.acquire(hidden)
     slots = [b.slot for b in builders]
     fills = [b.fill for b in builders]
-    _store.data[slots, fills] = rows.to(torch.bfloat16)
+    _store.data[slots, fills] = rows if rows.dtype == torch.bfloat16 else rows.to(torch.bfloat16)
     full = []
     for b in builders:
         b.fill += 1
