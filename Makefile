@@ -16,7 +16,7 @@ demo: setup
 	$(PY) toploc-scripts/minimal_example.py --start-server
 
 test: setup
-	$(PY) -m pytest test -v -p no:cacheprovider
+	$(PY) -m pytest test -v
 
 test-unit: setup
-	$(PY) -m pytest test/unit -v -p no:cacheprovider
+	$(PY) -m pytest test/unit -v
