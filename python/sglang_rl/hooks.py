@@ -25,7 +25,7 @@ class Hook(NamedTuple):
 
 def hook_table() -> list[Hook]:
     """All hooks of the plugin (imports are local so that importing this module stays cheap)."""
-    from sglang_rl.adapters import api, openai, scheduler
+    from sglang_rl.adapters import api, kcbs, openai, scheduler
     from sglang_rl.server_args import RLServerArgs
 
     R, A, B, AF = HookType.REPLACE, HookType.AROUND, HookType.BEFORE, HookType.AFTER
@@ -61,6 +61,8 @@ def hook_table() -> list[Hook]:
         Hook(f"{SRT}.model_executor.forward_batch_info.get_server_return_hidden_states_mode", AF,
              scheduler.server_capture_mode_after,
              "with --toploc-verification every batch (and every CUDA graph) captures LAST rows"),
+        Hook(f"{SRT}.managers.scheduler.Scheduler.__init__", AF, kcbs.scheduler_init_after,
+             "k-CBS queues its beam requests through this process's scheduler"),
         Hook(f"{SRT}.managers.schedule_batch.Req.__init__", AF, scheduler.req_init_after,
              "attach per-request state; raise only that request's capture mode"),
         Hook(f"{SRT}.managers.schedule_batch.Req._compute_max_prefix_len", A,
@@ -77,7 +79,8 @@ def hook_table() -> list[Hook]:
              "route each decode step's rows to fingerprint builders"),
         Hook(f"{SCHED}.output_streamer.SchedulerOutputStreamer.stream_output", B,
              scheduler.stream_output_before,
-             "prove the last partial chunks of all requests finishing in this batch at once"),
+             "drive k-CBS searches (hide beam requests, release finished searches); prove the "
+             "last partial chunks / encode the rows of all requests finishing in this batch"),
         Hook(f"{SCHED}.output_streamer._GenerationStreamAccumulator.accept", A,
              scheduler.output_accept_around,
              "finalise verification reports and send queued results with the request's output"),

@@ -24,7 +24,11 @@ HIDDEN_STATES_FIELDS = (
     "hidden_states_last_n",
     "return_final_hidden_state",
 )
-ALL_FIELDS = TOPLOC_FIELDS + IDS_FIELDS + HIDDEN_STATES_FIELDS
+KCBS_FIELDS = ("kcbs_enabled", "kcbs_beam_width", "kcbs_final_prune", "kcbs_steps")
+ALL_FIELDS = TOPLOC_FIELDS + IDS_FIELDS + HIDDEN_STATES_FIELDS + KCBS_FIELDS
+
+KCBS_MAX_BEAM_WIDTH = 32
+KCBS_MAX_STEPS = 1024
 
 # Internal keys set by the API layer, never by users.
 RESPONSE_START_KEY = "toploc_response_start"
@@ -65,6 +69,43 @@ def validate_fields(fields: dict, server_args: Any) -> dict:
         if value:
             out[name] = True
     return out
+
+
+def _int_field(fields: dict, name: str, default: Any, low: int, high: int) -> int:
+    value = fields.get(name)
+    if value is None:
+        value = default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RequestOptionError(f"{name} must be an integer, got {value!r}")
+    if not low <= value <= high:
+        raise RequestOptionError(f"{name} must be between {low} and {high}, got {value}")
+    return value
+
+
+def validate_kcbs(fields: dict, params: dict, stream: bool, server_args: Any) -> dict:
+    """Check the k-CBS fields of a request; return the custom_params entry (empty if off)."""
+    enabled = fields.get("kcbs_enabled")
+    if enabled is None or enabled is False:
+        extra = [n for n in KCBS_FIELDS if n != "kcbs_enabled" and fields.get(n) is not None]
+        if extra:
+            raise RequestOptionError(f"{', '.join(extra)} given without kcbs_enabled=true")
+        return {}
+    if enabled is not True:
+        raise RequestOptionError(f"kcbs_enabled must be true or false, got {enabled!r}")
+    top_k = params.get("top_k")
+    k = _int_field(fields, "kcbs_beam_width", top_k if isinstance(top_k, int) and top_k > 0 else None,
+                   1, KCBS_MAX_BEAM_WIDTH)
+    steps = _int_field(fields, "kcbs_steps", params.get("max_new_tokens"), 1, KCBS_MAX_STEPS)
+    final_prune = fields.get("kcbs_final_prune", True)
+    if not isinstance(final_prune, bool):
+        raise RequestOptionError(f"kcbs_final_prune must be true or false, got {final_prune!r}")
+    if (params.get("n") or 1) > 1:
+        raise RequestOptionError("k-CBS returns its candidates in one choice: n > 1 is not supported")
+    if stream:
+        raise RequestOptionError("k-CBS does not support streaming: set stream=false")
+    if getattr(server_args, "speculative_algorithm", None):
+        raise RequestOptionError("k-CBS is not supported with speculative decoding")
+    return {"kcbs_k": k, "kcbs_steps": steps, "kcbs_keep_all": not final_prune}
 
 
 def options_of(custom_params: Optional[dict]) -> dict:

@@ -15,6 +15,7 @@ from typing import Any, AsyncIterator, Callable, Optional
 from sglang.srt.managers.io_struct import GenerateReqInput
 
 from sglang_rl.adapters import hidden_states as hs_adapter
+from sglang_rl.adapters.kcbs import CANDIDATES_FIELD
 from sglang_rl.adapters import transport
 from sglang_rl.adapters.toploc import FINGERPRINTS_FIELD, RESULT_FIELD
 from sglang_rl.fingerprint import FingerprintError, decode_fingerprint
@@ -22,11 +23,13 @@ from sglang_rl.hidden_states import HiddenStatesOptions
 from sglang_rl.request_options import (
     ALL_FIELDS,
     HIDDEN_STATES_FIELDS,
+    KCBS_FIELDS,
     CUSTOM_PARAMS_KEY,
     RESPONSE_START_KEY,
     RequestOptionError,
     pop_fields,
     validate_fields,
+    validate_kcbs,
 )
 from sglang_rl.verification_report import finalize_report
 
@@ -37,7 +40,7 @@ _RESULTS = "_sglang_rl_results"
 # Response fields this plugin adds to meta_info (and to OpenAI choices).
 RESPONSE_FIELDS = (
     FINGERPRINTS_FIELD, RESULT_FIELD, "input_ids", "output_ids",
-    hs_adapter.ROWS_FIELD, hs_adapter.POSITIONS_FIELD,
+    hs_adapter.ROWS_FIELD, hs_adapter.POSITIONS_FIELD, CANDIDATES_FIELD,
 )
 
 
@@ -53,6 +56,10 @@ class RLGenerateReqInput(GenerateReqInput):
     hidden_states_scope: Optional[str] = None
     hidden_states_last_n: Optional[int] = None
     return_final_hidden_state: Optional[bool] = None
+    kcbs_enabled: Optional[bool] = None
+    kcbs_beam_width: Optional[int] = None
+    kcbs_final_prune: Optional[bool] = None
+    kcbs_steps: Optional[int] = None
 
 
 def _sampling_dicts(obj: Any) -> list[dict]:
@@ -110,8 +117,15 @@ def prepare_request(obj: Any, server_args: Any, in_process: bool = False) -> Non
         entry = (params.get("custom_params") or {}).get(CUSTOM_PARAMS_KEY) or {}
         internal.update({k: v for k, v in entry.items() if k == RESPONSE_START_KEY})
     hs_entry = _hidden_states_entry(obj, fields, server_args, in_process)
+    kcbs_fields = {k: fields.pop(k) for k in KCBS_FIELDS if k in fields}
+    kcbs_entry = validate_kcbs(kcbs_fields, dicts[0], bool(obj.stream), server_args)
     entry = validate_fields(fields, server_args)
     entry.update(hs_entry)
+    if kcbs_entry:
+        if len(dicts) > 1 or "toploc_verification_fingerprint_to_validate" in entry:
+            raise RequestOptionError("k-CBS takes one prompt per request and no verification fields")
+        _prepare_kcbs(obj, kcbs_entry)
+        entry.update(kcbs_entry)
     if "toploc_verification_fingerprint_to_validate" in entry:
         _prepare_verification(obj, entry, internal, server_args)
     if entry.get("return_input_ids"):
@@ -156,6 +170,17 @@ def _prepare_verification(obj: Any, entry: dict, internal: dict, server_args: An
     obj.top_logprobs_num = max(obj.top_logprobs_num or 0, 1)
 
 
+def _prepare_kcbs(obj: Any, entry: dict) -> None:
+    """k-CBS runs on the model's log-probs at temperature 1 without sampling filters; the request
+    itself is one prefill (its beams are scheduled by the k-CBS adapter)."""
+    for params in _sampling_dicts(obj):
+        params.update(max_new_tokens=0, temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0)
+    setattr(obj, _IMPLICIT_LOGPROBS, not obj.return_logprob)
+    obj.return_logprob = True
+    obj.logprob_start_len = -1
+    obj.top_logprobs_num = max(obj.top_logprobs_num or 0, entry["kcbs_k"])
+
+
 def _finish_meta(out: dict, obj: Any) -> None:
     meta = out.get("meta_info")
     if not isinstance(meta, dict):
@@ -163,7 +188,7 @@ def _finish_meta(out: dict, obj: Any) -> None:
     payload = transport.collect(meta)
     if FINGERPRINTS_FIELD in payload:
         meta[FINGERPRINTS_FIELD] = payload[FINGERPRINTS_FIELD]
-    for key in (hs_adapter.ROWS_FIELD, hs_adapter.POSITIONS_FIELD):
+    for key in (hs_adapter.ROWS_FIELD, hs_adapter.POSITIONS_FIELD, CANDIDATES_FIELD):
         if key in payload:
             meta[key] = payload[key]
     if "hidden_states_error" in payload:
@@ -171,9 +196,9 @@ def _finish_meta(out: dict, obj: Any) -> None:
     if RESULT_FIELD in payload:
         report = finalize_report(payload[RESULT_FIELD], meta, _expect_greedy(obj))
         meta[RESULT_FIELD] = json.dumps(report)
-        if getattr(obj, _IMPLICIT_LOGPROBS, False):
-            for key in [k for k in meta if "logprobs" in k]:
-                meta.pop(key)
+    if getattr(obj, _IMPLICIT_LOGPROBS, False) and (RESULT_FIELD in payload or CANDIDATES_FIELD in payload):
+        for key in [k for k in meta if "logprobs" in k]:
+            meta.pop(key)
     options = _options(obj)
     if options.get("return_input_ids") and "prompt_token_ids" in out:
         meta["input_ids"] = out["prompt_token_ids"]

@@ -36,6 +36,10 @@ class RLChatCompletionRequest(ChatCompletionRequest):
     hidden_states_scope: Optional[Any] = None
     hidden_states_last_n: Optional[Any] = None
     return_final_hidden_state: Optional[Any] = None
+    kcbs_enabled: Optional[Any] = None
+    kcbs_beam_width: Optional[Any] = None
+    kcbs_final_prune: Optional[Any] = None
+    kcbs_steps: Optional[Any] = None
 
 
 class RLCompletionRequest(CompletionRequest):
@@ -50,6 +54,10 @@ class RLCompletionRequest(CompletionRequest):
     hidden_states_scope: Optional[Any] = None
     hidden_states_last_n: Optional[Any] = None
     return_final_hidden_state: Optional[Any] = None
+    kcbs_enabled: Optional[Any] = None
+    kcbs_beam_width: Optional[Any] = None
+    kcbs_final_prune: Optional[Any] = None
+    kcbs_steps: Optional[Any] = None
 
     @field_validator("max_tokens")
     @classmethod

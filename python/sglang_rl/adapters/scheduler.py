@@ -18,7 +18,7 @@ from sglang.srt.runtime_context import get_parallel, get_server_args
 
 from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
-from sglang_rl.adapters import hidden_states, toploc, transport
+from sglang_rl.adapters import hidden_states, kcbs, toploc, transport
 from sglang_rl.request_options import options_of
 
 STATE_ATTR = "_sglang_rl_toploc"
@@ -44,7 +44,14 @@ def _sends_outputs() -> bool:
 
 def req_init_after(result: None, req: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER Req.__init__: create the request's sglang-rl state and raise its capture mode."""
+    if kcbs.is_child_rid(req.rid):
+        return
     options = options_of(getattr(req.sampling_params, "custom_params", None))
+    search = kcbs.parent_state(options)
+    if search is not None:
+        # k-CBS output is assembled from its beams: no fingerprint or rows for it
+        setattr(req, kcbs.PARENT_ATTR, kcbs.KcbsSearch(req, *search))
+        return
     sends = _sends_outputs()
     state = toploc.state_for_request(options, get_server_args())
     if state is not None:
@@ -182,11 +189,20 @@ def _topk() -> int:
     return get_server_args().toploc_verification_topk
 
 
-def stream_output_before(streamer: Any, reqs: list, *args: Any, **kwargs: Any) -> None:
-    """BEFORE SchedulerOutputStreamer.stream_output: finalise the fingerprints of every request
-    finishing in this batch together (their last partial chunks are proven in one call)."""
-    args = get_server_args()
-    if not (getattr(args, "toploc_verification", False) or args.return_hidden_states_mode):
+def stream_output_before(streamer: Any, reqs: list, *args: Any, **kwargs: Any) -> Any:
+    """BEFORE SchedulerOutputStreamer.stream_output: drive k-CBS searches (their internal beam
+    requests are taken out, finished searches put in), then finalise the fingerprints and rows of
+    every request finishing in this batch together."""
+    replaced = None
+    if any(hasattr(r, kcbs.CHILD_ATTR) or hasattr(r, kcbs.PARENT_ATTR) for r in reqs):
+        reqs = replaced = kcbs.filter_outputs(reqs)
+    _finish_rows(reqs)
+    return None if replaced is None else ((streamer, replaced, *args), kwargs)
+
+
+def _finish_rows(reqs: list) -> None:
+    server_args = get_server_args()
+    if not (getattr(server_args, "toploc_verification", False) or server_args.return_hidden_states_mode):
         return
     finishing, collectors = [], []
     for req in reqs:
