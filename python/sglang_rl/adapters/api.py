@@ -122,8 +122,8 @@ def prepare_request(obj: Any, server_args: Any, in_process: bool = False) -> Non
     entry = validate_fields(fields, server_args)
     entry.update(hs_entry)
     if kcbs_entry:
-        if len(dicts) > 1 or "toploc_verification_fingerprint_to_validate" in entry:
-            raise RequestOptionError("k-CBS takes one prompt per request and no verification fields")
+        if "toploc_verification_fingerprint_to_validate" in entry:
+            raise RequestOptionError("a k-CBS request cannot also be a verification request")
         _prepare_kcbs(obj, kcbs_entry)
         entry.update(kcbs_entry)
     if "toploc_verification_fingerprint_to_validate" in entry:
