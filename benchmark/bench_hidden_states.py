@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import engine_kwargs, print_table, random_prompts  # noqa: E402
+from common import engine_kwargs, print_table, random_prompts, run_in_subprocesses  # noqa: E402
 
 # mode -> extra generate() arguments (None: the plain baseline Engine, flag off)
 MODES = {
@@ -80,15 +79,8 @@ def main() -> None:
     if args.group:
         print("RESULT " + json.dumps(run_group(args, args.group)), flush=True)
         return
-    rows = []
-    for group in ("plain", "hidden"):
-        out = subprocess.run([sys.executable, __file__, "--group", group] + sys.argv[1:],
-                             capture_output=True, text=True)
-        line = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
-        if not line:
-            print(out.stdout[-3000:], out.stderr[-6000:])
-            raise SystemExit(f"group {group} failed")
-        rows += json.loads(line[-1][len("RESULT "):])
+    rows = [r for group in run_in_subprocesses(__file__, sys.argv[1:], "--group", ["plain", "hidden"])
+            for r in group]
     base = {r["shape"]: r["out_tok_per_s"] for r in rows if r["mode"] == "plain"}
     for r in rows:
         r["vs_plain"] = round(r["out_tok_per_s"] / base[r["shape"]], 3)

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import engine_kwargs, print_table, random_prompts  # noqa: E402
+from common import engine_kwargs, print_table, random_prompts, run_in_subprocesses  # noqa: E402
 
 
 def reprefill_search(llm, prompts: list[list[int]], k: int, steps: int) -> list:
@@ -111,14 +110,7 @@ def main() -> None:
     if args.mode:
         print("RESULT " + json.dumps(run(args, args.mode)), flush=True)
         return
-    rows = []
-    for mode in ("in-scheduler", "re-prefill", "plain decode"):
-        out = subprocess.run([sys.executable, __file__, "--mode", mode] + sys.argv[1:], capture_output=True, text=True)
-        line = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
-        if not line:
-            print(out.stdout[-3000:], out.stderr[-6000:])
-            raise SystemExit(f"mode {mode} failed")
-        rows.append(json.loads(line[-1][len("RESULT "):]))
+    rows = run_in_subprocesses(__file__, sys.argv[1:], "--mode", ["in-scheduler", "re-prefill", "plain decode"])
     ours = rows[0]["seconds"]
     for r in rows:
         r["vs_in_scheduler"] = round(r["seconds"] / ours, 2)

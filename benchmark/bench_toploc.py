@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import engine_kwargs, print_table, random_prompts  # noqa: E402
+from common import engine_kwargs, print_table, random_prompts, run_in_subprocesses  # noqa: E402
 
 
 def run_mode(args: argparse.Namespace, mode: str) -> dict:
@@ -102,15 +101,7 @@ def main() -> None:
     if args.one_mode:
         print("RESULT " + json.dumps(run_mode(args, args.one_mode)), flush=True)
         return
-    rows = []
-    for mode in args.modes.split(","):
-        cmd = [sys.executable, __file__, "--one-mode", mode] + [a for a in sys.argv[1:]]
-        out = subprocess.run(cmd, capture_output=True, text=True)
-        line = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
-        if not line:
-            print(out.stdout[-3000:], out.stderr[-5000:])
-            raise SystemExit(f"mode {mode} failed")
-        rows.append(json.loads(line[-1][len("RESULT "):]))
+    rows = run_in_subprocesses(__file__, sys.argv[1:], "--one-mode", args.modes.split(","))
     base = next((r["out_tok_per_s"] for r in rows if r["mode"] == "off"), None)
     for r in rows:
         r["vs_off"] = round(r["out_tok_per_s"] / base, 3) if base else ""

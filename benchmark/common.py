@@ -64,3 +64,20 @@ def print_table(rows: list[dict], columns: list[str]) -> None:
 
 def on_gpu() -> bool:
     return os.environ.get("SGLANG_USE_CPU_ENGINE") != "1"
+
+
+def run_in_subprocesses(script: str, argv: list[str], flag: str, values: list[str]) -> list:
+    """Run `script argv flag value` once per value (a fresh Engine each) and collect the JSON
+    printed after `RESULT ` by each; exits with the child's output if one fails."""
+    import subprocess
+    import sys
+
+    results = []
+    for value in values:
+        out = subprocess.run([sys.executable, script, flag, value] + argv, capture_output=True, text=True)
+        line = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
+        if not line:
+            print(out.stdout[-3000:], out.stderr[-6000:])
+            raise SystemExit(f"{flag} {value} failed")
+        results.append(json.loads(line[-1][len("RESULT "):]))
+    return results

@@ -12,7 +12,7 @@ import json
 from typing import Any, AsyncIterator, Callable, Optional
 
 from fastapi.responses import ORJSONResponse
-from pydantic import field_validator
+from pydantic import BaseModel, field_validator
 
 from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -25,39 +25,30 @@ from sglang_rl.request_options import (
 )
 
 
-class RLChatCompletionRequest(ChatCompletionRequest):
+class _RLFields(BaseModel):
+    """The sglang-rl request fields shared by the chat and completions request models."""
+
+    toploc_verification_fingerprint_to_validate: Optional[Any] = None
+    toploc_verification_expect_greedy: Optional[Any] = None
+    return_input_ids: Optional[Any] = None
+    return_output_ids: Optional[Any] = None
+    hidden_states_format: Optional[Any] = None
+    hidden_states_scope: Optional[Any] = None
+    hidden_states_last_n: Optional[Any] = None
+    return_final_hidden_state: Optional[Any] = None
+    kcbs_enabled: Optional[Any] = None
+    kcbs_beam_width: Optional[Any] = None
+    kcbs_final_prune: Optional[Any] = None
+    kcbs_steps: Optional[Any] = None
+
+
+class RLChatCompletionRequest(ChatCompletionRequest, _RLFields):
     """ChatCompletionRequest plus the sglang-rl request fields."""
 
-    toploc_verification_fingerprint_to_validate: Optional[Any] = None
-    toploc_verification_expect_greedy: Optional[Any] = None
-    return_input_ids: Optional[Any] = None
-    return_output_ids: Optional[Any] = None
-    hidden_states_format: Optional[Any] = None
-    hidden_states_scope: Optional[Any] = None
-    hidden_states_last_n: Optional[Any] = None
-    return_final_hidden_state: Optional[Any] = None
-    kcbs_enabled: Optional[Any] = None
-    kcbs_beam_width: Optional[Any] = None
-    kcbs_final_prune: Optional[Any] = None
-    kcbs_steps: Optional[Any] = None
 
-
-class RLCompletionRequest(CompletionRequest):
+class RLCompletionRequest(CompletionRequest, _RLFields):
     """CompletionRequest plus the sglang-rl request fields; max_tokens=0 (a prefill-only request,
     as the verification protocol needs) is accepted like on /generate and chat."""
-
-    toploc_verification_fingerprint_to_validate: Optional[Any] = None
-    toploc_verification_expect_greedy: Optional[Any] = None
-    return_input_ids: Optional[Any] = None
-    return_output_ids: Optional[Any] = None
-    hidden_states_format: Optional[Any] = None
-    hidden_states_scope: Optional[Any] = None
-    hidden_states_last_n: Optional[Any] = None
-    return_final_hidden_state: Optional[Any] = None
-    kcbs_enabled: Optional[Any] = None
-    kcbs_beam_width: Optional[Any] = None
-    kcbs_final_prune: Optional[Any] = None
-    kcbs_steps: Optional[Any] = None
 
     @field_validator("max_tokens")
     @classmethod
