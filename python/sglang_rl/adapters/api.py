@@ -46,20 +46,21 @@ RESPONSE_FIELDS = (
 
 @dataclasses.dataclass
 class RLGenerateReqInput(GenerateReqInput):
-    """GenerateReqInput with the sglang-rl fields, so `/generate` accepts them at top level."""
+    """GenerateReqInput with the sglang-rl fields, so `/generate` accepts them at top level
+    (typed loosely: our validation, not pydantic's coercion, judges the values)."""
 
-    toploc_verification_fingerprint_to_validate: Optional[str] = None
-    toploc_verification_expect_greedy: Optional[bool] = None
-    return_input_ids: Optional[bool] = None
-    return_output_ids: Optional[bool] = None
-    hidden_states_format: Optional[str] = None
-    hidden_states_scope: Optional[str] = None
-    hidden_states_last_n: Optional[int] = None
-    return_final_hidden_state: Optional[bool] = None
-    kcbs_enabled: Optional[bool] = None
-    kcbs_beam_width: Optional[int] = None
-    kcbs_final_prune: Optional[bool] = None
-    kcbs_steps: Optional[int] = None
+    toploc_verification_fingerprint_to_validate: Optional[Any] = None
+    toploc_verification_expect_greedy: Optional[Any] = None
+    return_input_ids: Optional[Any] = None
+    return_output_ids: Optional[Any] = None
+    hidden_states_format: Optional[Any] = None
+    hidden_states_scope: Optional[Any] = None
+    hidden_states_last_n: Optional[Any] = None
+    return_final_hidden_state: Optional[Any] = None
+    kcbs_enabled: Optional[Any] = None
+    kcbs_beam_width: Optional[Any] = None
+    kcbs_final_prune: Optional[Any] = None
+    kcbs_steps: Optional[Any] = None
 
 
 def _sampling_dicts(obj: Any) -> list[dict]:
@@ -156,6 +157,12 @@ def _prepare_verification(obj: Any, entry: dict, internal: dict, server_args: An
         params["temperature"] = 1.0
     start = internal.get(RESPONSE_START_KEY)
     prompt_len = _prompt_len(obj)
+    if start is not None and prompt_len is not None and prompt_len - start not in (fp.n_rows, fp.n_rows - 1):
+        raise RequestOptionError(
+            f"the reply re-tokenizes to {prompt_len - start} tokens but the fingerprint covers "
+            f"{fp.n_rows} generated tokens, so its rows cannot be aligned; verify with the exact-token "
+            "form (input_ids + output_ids, from return_input_ids / return_output_ids)"
+        )
     if start is None and prompt_len is not None:
         if prompt_len < fp.n_rows + 1:
             raise RequestOptionError(
@@ -240,18 +247,19 @@ def generate_request_around(original: Callable, manager: Any, obj: Any, request:
     return run()
 
 
-def _move_kwargs(kwargs: dict) -> dict:
-    fields = {name: kwargs.pop(name) for name in ALL_FIELDS if name in kwargs}
-    if not fields:
-        return kwargs
-    params = kwargs.get("sampling_params")
+def _with_fields(params: Any, fields: dict) -> Any:
     if isinstance(params, list):
-        kwargs["sampling_params"] = [{**p, **fields} for p in params]
-    else:
-        kwargs["sampling_params"] = {**(params or {}), **fields}
-    return kwargs
+        return [{**p, **fields} for p in params]
+    return {**(params or {}), **fields}
 
 
 def engine_generate_around(original: Callable, engine: Any, *args: Any, **kwargs: Any) -> Any:
-    """AROUND Engine.generate / Engine.async_generate: accept the sglang-rl fields as kwargs."""
-    return original(engine, *args, **_move_kwargs(kwargs))
+    """AROUND Engine.generate / Engine.async_generate: accept the sglang-rl fields as kwargs
+    (merged into sampling_params, whether that was passed by position or by name)."""
+    fields = {name: kwargs.pop(name) for name in ALL_FIELDS if name in kwargs}
+    if fields:
+        if len(args) >= 2:
+            args = (args[0], _with_fields(args[1], fields), *args[2:])
+        else:
+            kwargs["sampling_params"] = _with_fields(kwargs.get("sampling_params"), fields)
+    return original(engine, *args, **kwargs)
