@@ -86,30 +86,3 @@ def toploc_server(model_path: str) -> Iterator[Server]:
     yield server
     server.stop()
 
-
-def start_servers(specs: list[tuple[tuple, dict]]) -> list[Server]:
-    """Start several servers at once (each spec: (args, kwargs) of `Server`); if one fails, stop
-    the others and raise."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(len(specs)) as pool:
-        futures = [pool.submit(Server, *args, **kwargs) for args, kwargs in specs]
-    servers, errors = [], []
-    for future in futures:
-        try:
-            servers.append(future.result())
-        except Exception as exc:  # noqa: BLE001 - re-raised below after cleanup
-            errors.append(exc)
-    if errors:
-        for server in servers:
-            server.stop()
-        raise errors[0]
-    return servers
-
-
-@pytest.fixture(scope="session")
-def plain_server(model_path: str) -> Iterator[Server]:
-    """The plugin loaded (entry point) but no sglang-rl flag given."""
-    server = Server(model_path, log_name="plain")
-    yield server
-    server.stop()

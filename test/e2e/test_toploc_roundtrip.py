@@ -212,6 +212,8 @@ def test_reports_describe_the_response(roundtrips) -> None:
         assert rep["fingerprint_verified"] is True
     for r in _results(roundtrips, "chat"):
         rep, sample = r["report"], r["sample"]
+        if "refused" in rep:
+            continue  # justified refusals are checked in test_chat_form_round_trips_verify
         assert rep["response_tokens"] == len(sample["output_ids"]), (r["case"], rep)
         assert len(rep["chunks"]) == chunks_for(len(sample["output_ids"]))
 

@@ -1,0 +1,364 @@
+"""Servers, the HF reference and client helpers of the hidden-states end-to-end tests.
+
+The servers are started once per pytest process and shared by every test_hidden_states_*.py
+module: each module imports the fixtures below, and the fixtures all hand out the same
+processes (a module-level registry; pytest would otherwise start a session fixture once per
+module that imports it). They are stopped at interpreter exit.
+
+* ``hs_server``: ``--enable-return-hidden-states --chunked-prefill-size 64 --toploc-verification``,
+  radix cache on. Prompts of ~240 tokens are prefilled in 4 chunks; TOPLOC is on so that the
+  concurrency test can mix fingerprinting and verification requests with hidden-state ones.
+* ``hs_noradix_server``: ``--enable-return-hidden-states --disable-radix-cache``, no TOPLOC: here
+  a batch of plain requests captures rows (the server flag makes every batch capture) without any
+  request having raised its own capture mode, the case TOPLOC's per-request mode hides.
+* the refusal case reuses ``plain_server`` of test/e2e/conftest.py (the plugin, no flag).
+
+The reference for every row is a plain transformers forward in float32:
+``AutoModelForCausalLM.from_pretrained(model).model(ids).last_hidden_state`` (the lm_head input,
+after the final norm), loaded once per process.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import pytest
+import requests
+import torch
+
+from e2e_servers import Server, e2e_env, start_server
+from sglang_rl.hidden_states import decode_rows
+
+# A row equals the HF row when every element is within ATOL + RTOL * |HF value| (torch.allclose).
+# ATOL is the 1e-4 of the spec. RTOL covers this model's outlier dimensions: dimension 199 carries
+# values of |x| ~ 30-45, where sglang's own float32 forward (torch_native attention, CPU kernels)
+# and transformers' differ by up to ~2e-4 at some positions (e.g. "One two three" + 5 greedy
+# tokens, position 7: 1.4e-4, the same from a plain decode step as from the final-row step;
+# transformers fp32 itself is 5e-5 off its own fp64 there). 1e-5 relative is float32 noise; a
+# misrouted row (wrong position, wrong request, stale cache) is off by O(1).
+ATOL = 1e-4
+RTOL = 1e-5
+TIMEOUT = 300  # per request: generous for <=100 tokens even on a loaded machine; no test waits forever
+HANG_TIMEOUT = 30  # for request shapes that were seen to never answer (each answers in ~1 s when it works)
+LOG_DIR = Path(os.environ.get("SGLANG_RL_TEST_LOGS", "/tmp/sglang-rl-test-logs"))
+HERE = Path(__file__).resolve().parent
+
+# A prompt of 236 tokens: more than 3 chunks of 64 on hs_server; greedy continues it for many tokens
+# (an ending like "Summarize the list above:" makes the model stop at once, leaving no decode rows).
+LONG_PROMPT = " ".join(
+    f"Item {i}: the {w} river flows past the old mill."
+    for i, w in enumerate(["red", "blue", "green", "quiet", "long", "cold", "wide", "dark", "slow",
+                           "bright", "deep", "clear", "muddy", "small", "great", "warm", "swift"])
+) + " Summarize the list above in one sentence:"
+SHORT_PROMPT = "The capital of France is"
+
+
+# --------------------------------------------------------------------------------------------
+# shared processes
+
+_lock = threading.Lock()
+_servers: dict[str, Server] = {}
+_engine_job: dict[str, Any] = {}
+
+
+def _stop_all() -> None:
+    for server in _servers.values():
+        try:
+            server.stop()
+        except Exception:  # noqa: BLE001 - best effort at exit
+            pass
+    proc = _engine_job.get("proc")
+    if proc is not None and proc.poll() is None:
+        try:
+            os.killpg(proc.pid, 9)  # the Engine's own group (start_new_session): its schedulers too
+        except ProcessLookupError:
+            pass
+
+
+atexit.register(_stop_all)
+
+
+def _print_stats() -> None:
+    if STATS["rows"]:
+        print(f"\n[hidden-states] rows compared with HF: {STATS['rows']}, max |diff| {STATS['max_abs_diff']:.3e}, "
+              f"rows with some |diff| > 1e-4: {STATS['rows_over_1e-4']}", flush=True)
+
+
+atexit.register(_print_stats)
+
+
+SERVER_ARGS = {
+    "radix": ("hs-radix-chunked", ("--enable-return-hidden-states", "--chunked-prefill-size", "64",
+                                   "--toploc-verification")),
+    "noradix": ("hs-noradix", ("--enable-return-hidden-states", "--disable-radix-cache", "--toploc-verification")),
+}
+_failed: dict[str, str] = {}
+
+
+def _scheduler_traceback(message: str) -> str:
+    """The scheduler's traceback from the server log named in a start failure, if any."""
+    match = re.search(r"see (\S+\.log)", message)
+    if not match or not Path(match.group(1)).exists():
+        return ""
+    log = Path(match.group(1)).read_text(errors="replace")
+    at = log.find("Scheduler hit an exception")
+    if at < 0:
+        return ""
+    block = log[at:].split("\n\n")[0]
+    return "\n" + block[-4000:]
+
+
+def shared_servers(model_path: str) -> dict[str, Server]:
+    """Start (once) the hidden-state servers, in parallel and independently (one failing to start
+    does not take the other down); then kick off the Engine run in the background (after, not
+    with, the servers: three cold starts at once on 2 cores can push a server past its health
+    timeout), so that its start overlaps the HTTP tests."""
+    with _lock:
+        if not _servers and not _failed:
+            t0 = time.time()
+
+            def one(name: str) -> None:
+                log_name, args = SERVER_ARGS[name]
+                try:
+                    _servers[name] = start_server(model_path, *args, log_name=log_name)
+                except Exception as exc:  # noqa: BLE001 - raised by the fixture that needs it
+                    _failed[name] = f"{exc}"[:1500] + _scheduler_traceback(str(exc))
+
+            with ThreadPoolExecutor(len(SERVER_ARGS)) as pool:
+                list(pool.map(one, SERVER_ARGS))
+            print(f"\n[hidden-states] servers started in {time.time() - t0:.0f}s: "
+                  + ", ".join(f"{k} {v.url} (log {v.log_path})" for k, v in _servers.items())
+                  + "".join(f"; {k} FAILED" for k in _failed), flush=True)
+            engine_job(model_path)
+    return _servers
+
+
+def _server(model_path: str, name: str) -> Server:
+    servers = shared_servers(model_path)
+    if name in _failed:
+        raise RuntimeError(f"server {name} {SERVER_ARGS[name][1]} did not start: {_failed[name]}")
+    server = servers[name]
+    assert server.alive(), f"server {name} died, see {server.log_path}"
+    return server
+
+
+def engine_job(model_path: str) -> dict[str, Any]:
+    """Start (once) `python test_hidden_states_engine.py OUT` in the background: the sgl.Engine
+    part of the suite, which writes its outputs to OUT with torch.save."""
+    if not _engine_job:
+        LOG_DIR.mkdir(parents=True, exist_ok=True)
+        out = LOG_DIR / f"hs-engine-{os.getpid()}.pt"
+        log = LOG_DIR / f"hs-engine-{os.getpid()}.log"
+        if out.exists():
+            out.unlink()
+        env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", **e2e_env(),
+               "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+        log_file = open(log, "w")
+        proc = subprocess.Popen(
+            [sys.executable, str(HERE / "test_hidden_states_engine.py"), str(out), model_path],
+            stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )
+        _engine_job.update(proc=proc, out=out, log=log, log_file=log_file, t0=time.time())
+    return _engine_job
+
+
+@pytest.fixture(scope="session")
+def hs_server(model_path: str) -> Server:
+    return _server(model_path, "radix")
+
+
+@pytest.fixture(scope="session")
+def hs_noradix_server(model_path: str) -> Server:
+    return _server(model_path, "noradix")
+
+
+# --------------------------------------------------------------------------------------------
+# the reference
+
+
+class HFReference:
+    """float32 transformers forward, cached per token sequence.
+
+    One intra-op thread: on the shared 2-core machine, with servers busy, a 2-thread OpenMP pool
+    made a 240-token forward take ~15 s instead of ~1 s. A sequence that is a prefix of one already
+    computed reuses its rows (causal attention: the row at p depends on tokens 0..p only)."""
+
+    def __init__(self, model_path: str) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        torch.set_num_threads(1)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.hidden = self.model.config.hidden_size
+        self._cache: dict[tuple, torch.Tensor] = {}
+        self._lock = threading.Lock()
+        self.forwards = 0
+
+    def rows(self, ids: Sequence[int]) -> torch.Tensor:
+        """[len(ids), H] last_hidden_state of `ids`."""
+        key = tuple(int(i) for i in ids)
+        with self._lock:
+            for done, rows in self._cache.items():
+                if len(done) >= len(key) and done[: len(key)] == key:
+                    return rows[: len(key)]
+            if key not in self._cache:
+                with torch.no_grad():
+                    self._cache[key] = self.model.model(torch.tensor([key])).last_hidden_state[0]
+                self.forwards += 1
+            return self._cache[key]
+
+
+_hf: dict[str, HFReference] = {}
+
+
+@pytest.fixture(scope="session")
+def hf(model_path: str) -> HFReference:
+    if model_path not in _hf:
+        _hf[model_path] = HFReference(model_path)
+    return _hf[model_path]
+
+
+# --------------------------------------------------------------------------------------------
+# requests
+
+
+def post(url: str, path: str, body: dict, stream: bool = False) -> requests.Response:
+    return requests.post(url + path, json=body, timeout=TIMEOUT, stream=stream)
+
+
+def hs_fields(mode: Any = True, fmt: Optional[str] = None, scope: Optional[str] = None,
+              last_n: Optional[int] = None, final: Optional[bool] = None) -> dict:
+    """The request fields of one hidden-state request (None = not sent)."""
+    fields: dict = {"return_hidden_states": mode}
+    for key, value in (("hidden_states_format", fmt), ("hidden_states_scope", scope),
+                       ("hidden_states_last_n", last_n), ("return_final_hidden_state", final)):
+        if value is not None:
+            fields[key] = value
+    return fields
+
+
+def generate(url: str, prompt: Any, max_new_tokens: int, *, temperature: float = 0.0,
+             ignore_eos: bool = False, fields: Optional[dict] = None, expect: int = 200,
+             **sampling: Any) -> Any:
+    """/generate with input and output ids; returns the JSON (asserting the status)."""
+    body: dict = {
+        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": temperature,
+                            "ignore_eos": ignore_eos, **sampling},
+        "return_input_ids": True,
+        "return_output_ids": True,
+        **(fields or {}),
+    }
+    body["input_ids" if isinstance(prompt, list) and prompt and isinstance(prompt[0], int) else "text"] = prompt
+    resp = post(url, "/generate", body)
+    assert resp.status_code == expect, f"HTTP {resp.status_code}: {resp.text[:2000]}"
+    return resp.json()
+
+
+# --------------------------------------------------------------------------------------------
+# checks
+
+
+def expected_positions(prompt_len: int, output_len: int, mode: Any, scope: Optional[str],
+                       last_n: Optional[int], final: bool) -> list[int]:
+    """The positions a request must get, written out independently of the plugin's code."""
+    end = prompt_len + output_len if final else prompt_len + output_len - 1
+    scope = scope or "all"
+    if scope == "all":
+        chosen = list(range(0, end))
+    elif scope == "response":
+        chosen = list(range(prompt_len, end))
+    elif scope == "last_n":
+        chosen = list(range(max(end - last_n, 0), end))
+    else:
+        raise AssertionError(scope)
+    return chosen[-1:] if mode == "last" else chosen
+
+
+def rows_of(fields: dict, fmt: Optional[str]) -> tuple[torch.Tensor, list[int]]:
+    """Rows and positions from meta_info / an OpenAI choice / message, in the wire format."""
+    assert "hidden_states_error" not in fields, fields["hidden_states_error"]
+    assert "hidden_states" in fields, f"no hidden_states in {sorted(fields)}"
+    hs = fields["hidden_states"]
+    if fmt == "base64":
+        assert isinstance(hs, dict) and set(hs) == {"dtype", "shape", "data", "positions"}, hs
+        assert hs["dtype"] == "float32", hs["dtype"]
+        rows, pos = decode_rows(hs)
+        return rows, pos
+    if fmt in (None, "list"):
+        assert isinstance(hs, list), type(hs)
+        pos = fields["hidden_states_positions"]
+        assert isinstance(pos, list), pos
+        rows = torch.tensor(hs, dtype=torch.float32) if hs else torch.empty(0, 0)
+        return rows, pos
+    if fmt == "tensor":
+        assert isinstance(hs, torch.Tensor), type(hs)
+        return hs, list(fields["hidden_states_positions"])
+    raise AssertionError(fmt)
+
+
+STATS = {"rows": 0, "max_abs_diff": 0.0, "rows_over_1e-4": 0}
+
+
+def check_rows(hf: HFReference, ids: Sequence[int], rows: torch.Tensor, positions: Sequence[int],
+               expected: Sequence[int], what: str = "") -> float:
+    """positions == expected and every row equals the HF row at its position (ATOL/RTOL above).
+    Returns the max abs diff."""
+    assert list(positions) == list(expected), f"{what}: positions {list(positions)} != expected {list(expected)}"
+    if not expected:
+        assert rows.numel() == 0, f"{what}: rows {tuple(rows.shape)} for no positions"
+        return 0.0
+    assert tuple(rows.shape) == (len(expected), hf.hidden), f"{what}: shape {tuple(rows.shape)}"
+    assert rows.dtype == torch.float32, f"{what}: dtype {rows.dtype}"
+    ref = hf.rows(ids)[list(positions)]
+    err = (rows.float() - ref).abs()
+    diff = err.max().item()
+    excess = err - (ATOL + RTOL * ref.abs())
+    if excess.max().item() > 0:
+        row, col = divmod(int(excess.argmax()), ref.shape[1])
+        raise AssertionError(
+            f"{what}: row at position {positions[row]} differs from HF at dim {col}: "
+            f"{rows[row, col].item():.6f} vs {ref[row, col].item():.6f} (max |diff| over all rows {diff:.3e}, "
+            f"allowed {ATOL} + {RTOL} * |ref|)"
+        )
+    STATS["rows"] += len(positions)
+    STATS["max_abs_diff"] = max(STATS["max_abs_diff"], diff)
+    STATS["rows_over_1e-4"] += int((err.max(dim=1).values > 1e-4).sum())
+    return diff
+
+
+def check_response(hf: HFReference, fields: dict, *, mode: Any, fmt: Optional[str], scope: Optional[str],
+                   last_n: Optional[int] = None, final: bool = False, what: str = "") -> float:
+    """One response (meta_info, OpenAI choice or message) against HF."""
+    ids = list(fields["input_ids"]) + list(fields["output_ids"])
+    rows, pos = rows_of(fields, fmt)
+    expected = expected_positions(len(fields["input_ids"]), len(fields["output_ids"]), mode, scope, last_n, final)
+    return check_rows(hf, ids, rows, pos, expected, what)
+
+
+def finish_type(finish: Any) -> Optional[str]:
+    return finish.get("type") if isinstance(finish, dict) else finish
+
+
+def report(name: str, **values: Any) -> None:
+    print(f"\n[hidden-states] {name}: {json.dumps(values)}", flush=True)
+
+
+def assert_serving(url: str) -> None:
+    """The server still answers a normal request."""
+    out = generate(url, SHORT_PROMPT, 4)
+    assert out["meta_info"]["output_ids"], out
+
+
+def sizes(*objs: Any) -> list[int]:
+    return [len(json.dumps(o, separators=(",", ":"))) for o in objs]
+

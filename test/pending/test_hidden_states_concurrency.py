@@ -1,0 +1,119 @@
+"""16 concurrent mixed requests: each hidden-state request gets exactly its own rows.
+
+The requests differ in prompt (short, chat-templated, ~240 tokens spanning 4 prefill chunks, one
+that shares the long prompt's cached prefix), output length, scope, mode, format and final row, so
+they land in shared prefill / decode batches and finish at different steps. Interleaved are plain
+requests (must carry no rows), an OpenAI chat request with rows and, on the TOPLOC server, TOPLOC
+verification requests (prefill-only, FULL capture) that must still verify.
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+from hidden_states_fixtures import (  # noqa: F401 - fixtures
+    TIMEOUT,
+    LONG_PROMPT,
+    SHORT_PROMPT,
+    check_response,
+    generate,
+    hf,
+    hs_fields,
+    hs_noradix_server,
+    hs_server,
+    report,
+)
+
+RESULT_FIELD = "toploc_verification_fingerprint_validation_result"
+
+
+def _jobs(chat_prompt: str, verify: list[dict]) -> list[dict]:
+    medium = "Once upon a time, in a small village by the sea, there lived an old fisherman who"
+    shared = LONG_PROMPT + " Also list three rivers you know:"
+    hs = [
+        (SHORT_PROMPT, 9, "base64", True, "all", None, True),
+        (LONG_PROMPT, 5, "list", True, "all", None, False),
+        (medium, 14, "base64", True, "response", None, False),
+        (chat_prompt, 24, "base64", True, "response", None, True),   # stops at EOS
+        (LONG_PROMPT, 7, "base64", True, "last_n", 30, True),
+        (shared, 6, "list", "last", "all", None, True),
+        (medium, 3, "list", True, "last_n", 2, False),
+        (shared, 11, "base64", True, "all", None, False),
+        (SHORT_PROMPT, 16, "list", "last", "response", None, False),
+        (chat_prompt, 20, "list", True, "all", None, False),
+    ]
+    jobs = [{"kind": "hs", "prompt": p, "max": n, "fmt": f, "mode": m, "scope": s, "last_n": k, "final": fin}
+            for p, n, f, m, s, k, fin in hs]
+    plain = [(SHORT_PROMPT, 12), (LONG_PROMPT, 6), (medium, 20)]
+    jobs += [{"kind": "plain", "prompt": p, "max": n} for p, n in plain]
+    jobs.append({"kind": "chat", "max": 10, "fmt": "base64", "mode": True, "scope": "all", "last_n": None,
+                 "final": True})
+    jobs += [{"kind": "verify", **v} for v in verify]
+    while len(jobs) < 16:
+        jobs.append({"kind": "plain", "prompt": "Count: one, two, three,", "max": 8})
+    return jobs
+
+
+def _run(url: str, job: dict) -> dict:
+    kind = job["kind"]
+    if kind == "hs":
+        return generate(url, job["prompt"], job["max"],
+                        fields=hs_fields(job["mode"], job["fmt"], job["scope"], job["last_n"], job["final"]))
+    if kind == "plain":
+        return generate(url, job["prompt"], job["max"])
+    if kind == "chat":
+        body = {"model": "default", "messages": [{"role": "user", "content": "Name a fruit."}],
+                "max_tokens": job["max"], "temperature": 0, "return_input_ids": True, "return_output_ids": True,
+                **hs_fields(job["mode"], job["fmt"], job["scope"], job["last_n"], job["final"])}
+        resp = requests.post(url + "/v1/chat/completions", json=body, timeout=TIMEOUT)
+        assert resp.status_code == 200, resp.text[:1000]
+        return resp.json()
+    body = {"input_ids": job["ids"], "sampling_params": {"max_new_tokens": 0},
+            "toploc_verification_fingerprint_to_validate": job["fp"]}
+    resp = requests.post(url + "/generate", json=body, timeout=TIMEOUT)
+    assert resp.status_code == 200, resp.text[:1000]
+    return resp.json()
+
+
+@pytest.mark.parametrize("which", ["radix_chunked_toploc", "noradix"])
+def test_16_concurrent_mixed_requests(request, hf, which: str) -> None:
+    server = request.getfixturevalue("hs_server" if which != "noradix" else "hs_noradix_server")
+    url = server.url
+    chat_prompt = hf.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 2+2? Answer with a number only."}], tokenize=False,
+        add_generation_prompt=True)
+    verify = []
+    if which != "noradix":
+        # honest fingerprints to verify concurrently with everything else
+        for prompt in ("The history of the printing press begins", "1, 1, 2, 3, 5, 8,"):
+            meta = generate(url, prompt, 12)["meta_info"]
+            verify.append({"ids": meta["input_ids"] + meta["output_ids"],
+                           "fp": meta["toploc_verification_fingerprints"][-1]})
+    jobs = _jobs(chat_prompt, verify)
+    assert len(jobs) == 16
+    with ThreadPoolExecutor(16) as pool:
+        outs = list(pool.map(lambda job: _run(url, job), jobs))
+
+    kinds: dict[str, int] = {}
+    for i, (job, out) in enumerate(zip(jobs, outs)):
+        kinds[job["kind"]] = kinds.get(job["kind"], 0) + 1
+        what = f"{which} job {i} {job['kind']} " + " ".join(
+            f"{k}={job[k]}" for k in ("max", "fmt", "mode", "scope", "last_n", "final") if k in job)
+        if job["kind"] == "hs":
+            check_response(hf, out["meta_info"], mode=job["mode"], fmt=job["fmt"], scope=job["scope"],
+                           last_n=job["last_n"], final=job["final"], what=what)
+        elif job["kind"] == "chat":
+            check_response(hf, out["choices"][0]["message"], mode=job["mode"], fmt=job["fmt"],
+                           scope=job["scope"], last_n=job["last_n"], final=job["final"], what=what)
+        elif job["kind"] == "plain":
+            meta = out["meta_info"]
+            assert "hidden_states" not in meta and "hidden_states_positions" not in meta, what
+            assert len(meta["output_ids"]) >= 1, what
+        else:
+            report_ = json.loads(out["meta_info"][RESULT_FIELD])
+            assert report_["verified"] is True, f"{what}: {report_}"
+    report(f"concurrent {which}", **kinds)

@@ -1,0 +1,149 @@
+"""Hidden states through every HTTP entry point: OpenAI chat and completions (plain, n=2,
+streamed), streamed /generate and batched /generate; and no rows where none were asked for."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import requests
+
+from hidden_states_fixtures import (  # noqa: F401 - fixtures
+    HANG_TIMEOUT,
+    TIMEOUT,
+    SHORT_PROMPT,
+    check_response,
+    generate,
+    hf,
+    hs_fields,
+    hs_server,
+    report,
+)
+
+CHAT = [{"role": "user", "content": "Name three colours."}]
+
+
+def _post(url: str, path: str, body: dict, stream: bool = False) -> requests.Response:
+    resp = requests.post(url + path, json=body, timeout=TIMEOUT, stream=stream)
+    assert resp.status_code == 200, resp.text[:2000]
+    return resp
+
+
+def _events(resp: requests.Response) -> list[dict]:
+    return [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith(b"data: {")]
+
+
+def _ids() -> dict:
+    return {"return_input_ids": True, "return_output_ids": True}
+
+
+def test_openai_chat_and_completions(hs_server, hf) -> None:
+    url = hs_server.url
+    cases = [
+        ("chat", "list", True, "response", None, True),
+        ("chat", "base64", True, "all", None, False),
+        ("chat", "base64", "last", "response", None, True),
+        ("completions", "base64", True, "last_n", 5, False),
+        ("completions", "list", "last", "all", None, False),
+        ("completions", "list", True, "all", None, True),
+    ]
+    diffs = {}
+    for endpoint, fmt, mode, scope, last_n, final in cases:
+        fields = {**hs_fields(mode, fmt, scope, last_n, final), **_ids()}
+        if endpoint == "chat":
+            body = {"model": "default", "messages": CHAT, "max_tokens": 12, "temperature": 0, **fields}
+            target = _post(url, "/v1/chat/completions", body).json()["choices"][0]["message"]
+        else:
+            body = {"model": "default", "prompt": SHORT_PROMPT, "max_tokens": 10, "temperature": 0, **fields}
+            target = _post(url, "/v1/completions", body).json()["choices"][0]
+        what = f"{endpoint} {fmt} {mode} {scope} {last_n} final={final}"
+        diffs[what] = check_response(hf, target, mode=mode, fmt=fmt, scope=scope, last_n=last_n, final=final,
+                                     what=what)
+    report("openai", **{k: f"{v:.1e}" for k, v in diffs.items()})
+
+
+def test_openai_n2_sampling_each_choice_gets_its_own_rows(hs_server, hf) -> None:
+    url = hs_server.url
+    fields = {**hs_fields(True, "base64", "all"), **_ids()}
+    body = {"model": "default", "prompt": SHORT_PROMPT, "max_tokens": 8, "temperature": 1.0, "n": 2, **fields}
+    choices = _post(url, "/v1/completions", body).json()["choices"]
+    body = {"model": "default", "messages": CHAT, "max_tokens": 8, "temperature": 1.0, "n": 2,
+            **{**fields, **hs_fields("last", "list", "response")}}
+    messages = [c["message"] for c in _post(url, "/v1/chat/completions", body).json()["choices"]]
+    assert len(choices) == 2 and len(messages) == 2
+    for i, target in enumerate(choices):
+        check_response(hf, target, mode=True, fmt="base64", scope="all", what=f"completions n=2 choice {i}")
+    for i, target in enumerate(messages):
+        check_response(hf, target, mode="last", fmt="list", scope="response", what=f"chat n=2 choice {i}")
+    report("n=2 outputs", completions=[c["output_ids"] for c in choices], chat=[m["output_ids"] for m in messages])
+
+
+def test_parallel_sampling_with_the_final_row(hs_server, hf) -> None:
+    """n=2 with return_final_hidden_state (sglang first sends a prefill-only request to cache the
+    shared prompt; it carries the same fields)."""
+    body = {"text": SHORT_PROMPT, "sampling_params": {"max_new_tokens": 6, "temperature": 1.0, "n": 2}, **_ids(),
+            **hs_fields(True, "base64", "response", None, True)}
+    try:
+        resp = requests.post(hs_server.url + "/generate", json=body, timeout=HANG_TIMEOUT)
+    except requests.Timeout:
+        pytest.fail(f"/generate n=2 with return_final_hidden_state: no answer within {HANG_TIMEOUT} s")
+    assert resp.status_code == 200, resp.text[:1000]
+    outs = resp.json()
+    assert len(outs) == 2
+    for i, out in enumerate(outs):
+        check_response(hf, out["meta_info"], mode=True, fmt="base64", scope="response", final=True,
+                       what=f"n=2 final item {i}")
+
+
+def test_streamed_generate_chat_and_completions(hs_server, hf) -> None:
+    url = hs_server.url
+    body = {"text": SHORT_PROMPT, "stream": True, "sampling_params": {"max_new_tokens": 8, "temperature": 0},
+            **_ids(), **hs_fields(True, "list", "all", None, True)}
+    events = _events(_post(url, "/generate", body, stream=True))
+    assert events and events[-1]["meta_info"]["finish_reason"] is not None
+    assert not any("hidden_states" in e["meta_info"] for e in events[:-1]), "rows before the last event"
+    check_response(hf, events[-1]["meta_info"], mode=True, fmt="list", scope="all", final=True,
+                   what="streamed /generate")
+
+    fields = {**_ids(), **hs_fields(True, "base64", "response", None, True)}
+    body = {"model": "default", "messages": CHAT, "max_tokens": 12, "temperature": 0, "stream": True, **fields}
+    finals = [c for e in _events(_post(url, "/v1/chat/completions", body, stream=True)) for c in e["choices"]
+              if c.get("finish_reason")]
+    assert len(finals) == 1, finals
+    check_response(hf, finals[0]["delta"], mode=True, fmt="base64", scope="response", final=True,
+                   what="streamed chat")
+
+    body = {"model": "default", "prompt": SHORT_PROMPT, "max_tokens": 8, "temperature": 0, "stream": True,
+            **_ids(), **hs_fields("last", "base64", "all")}
+    finals = [c for e in _events(_post(url, "/v1/completions", body, stream=True)) for c in e["choices"]
+              if c.get("finish_reason")]
+    assert len(finals) == 1, finals
+    check_response(hf, finals[0], mode="last", fmt="base64", scope="all", what="streamed completions")
+
+
+def test_batched_generate(hs_server, hf) -> None:
+    """/generate with a list of prompts: each output carries its own rows."""
+    texts = [SHORT_PROMPT, "One two three", "A short poem about the sea:"]
+    body = {"text": texts, "sampling_params": {"max_new_tokens": 6, "temperature": 0}, **_ids(),
+            **hs_fields(True, "base64", "response", None, True)}
+    outs = _post(hs_server.url, "/generate", body).json()
+    assert len(outs) == len(texts)
+    for i, out in enumerate(outs):
+        check_response(hf, out["meta_info"], mode=True, fmt="base64", scope="response", final=True,
+                       what=f"batch item {i}")
+
+
+def test_no_rows_unless_asked(hs_server) -> None:
+    """Plain requests and requests whose return_hidden_states is false carry no rows (and the
+    upstream field alone still takes upstream's path)."""
+    url = hs_server.url
+    for fields in ({}, {"return_hidden_states": False, "hidden_states_format": "base64",
+                        "hidden_states_scope": "last_n", "hidden_states_last_n": 3}):
+        meta = generate(url, SHORT_PROMPT, 4, fields=fields)["meta_info"]
+        assert "hidden_states" not in meta and "hidden_states_positions" not in meta, sorted(meta)
+    upstream = generate(url, SHORT_PROMPT, 4, fields={"return_hidden_states": True})["meta_info"]
+    assert isinstance(upstream.get("hidden_states"), list), sorted(upstream)
+    assert "hidden_states_positions" not in upstream
+    body = {"model": "default", "messages": CHAT, "max_tokens": 4, **_ids()}
+    message = _post(url, "/v1/chat/completions", body).json()["choices"][0]["message"]
+    assert "hidden_states" not in message, sorted(message)

@@ -1,0 +1,153 @@
+"""Hidden states through the in-process sgl.Engine: format "tensor" (Engine only), base64 and list,
+every scope and mode, radix cache repeats, 64-token chunked prefill, batched prompts, async, and
+ValueErrors for bad fields.
+
+The Engine runs in a subprocess: this file run as a script (`python test_hidden_states_engine.py
+OUT MODEL`, the __main__ guard below) starts sgl.Engine on the CPU, makes the requests and
+torch.saves what came back; the test compares it with the HF forward. The subprocess is started in
+the background as soon as the first hidden-states fixture is requested (hidden_states_fixtures.
+engine_job), so it overlaps the HTTP servers' start.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hidden_states_fixtures import check_response, engine_job, hf, report  # noqa: F401 - hf is a fixture
+
+HERE = Path(__file__).resolve().parent
+
+
+# (name, prompt kind, max_new_tokens, kwargs)
+def _requests(long_prompt: str, short_prompt: str) -> list[tuple[str, str, int, dict]]:
+    reqs = []
+    for mode in (True, "last"):
+        for scope, last_n in (("all", None), ("response", None), ("last_n", 9)):
+            final = (mode is True) == (scope != "response")
+            kw = {"return_hidden_states": mode, "hidden_states_format": "tensor", "hidden_states_scope": scope,
+                  "return_final_hidden_state": final}
+            if last_n is not None:
+                kw["hidden_states_last_n"] = last_n
+            reqs.append((f"tensor {mode} {scope} final={final}", long_prompt, 6, kw))
+    reqs.append(("tensor all again (cached prompt)", long_prompt, 6,
+                 {"return_hidden_states": True, "hidden_states_format": "tensor"}))
+    reqs.append(("base64 response final", long_prompt, 6,
+                 {"return_hidden_states": True, "hidden_states_format": "base64", "hidden_states_scope": "response",
+                  "return_final_hidden_state": True}))
+    reqs.append(("list last_n=3", short_prompt, 8,
+                 {"return_hidden_states": True, "hidden_states_format": "list", "hidden_states_scope": "last_n",
+                  "hidden_states_last_n": 3}))
+    return reqs
+
+
+def _engine_main(out_path: str, model_path: str) -> None:
+    import asyncio
+
+    import sglang as sgl
+
+    from hidden_states_fixtures import LONG_PROMPT, SHORT_PROMPT
+
+    t0 = time.time()
+    engine = sgl.Engine(model_path=model_path, device="cpu", attention_backend="torch_native", dtype="float32",
+                        max_total_tokens=16384, enable_return_hidden_states=True, chunked_prefill_size=64, toploc_verification=True,
+                        log_level="warning")
+    started = time.time() - t0
+    ids = {"return_input_ids": True, "return_output_ids": True}
+    greedy = {"temperature": 0.0}
+    records = []
+
+    def keep(name, kw, out):
+        meta = out["meta_info"]
+        records.append({"name": name, "kw": kw, "text": out["text"],
+                        **{k: meta.get(k) for k in ("input_ids", "output_ids", "hidden_states",
+                                                    "hidden_states_positions", "hidden_states_error")}})
+
+    try:
+        engine.generate(prompt=LONG_PROMPT, sampling_params={"max_new_tokens": 4, **greedy})  # cache it
+        for name, prompt, max_new, kw in _requests(LONG_PROMPT, SHORT_PROMPT):
+            out = engine.generate(prompt=prompt, sampling_params={"max_new_tokens": max_new, **greedy}, **ids, **kw)
+            keep(name, kw, out)
+        # token-id input, batched prompts
+        kw = {"return_hidden_states": True, "hidden_states_format": "tensor", "hidden_states_scope": "response",
+              "return_final_hidden_state": True}
+        outs = engine.generate(prompt=[SHORT_PROMPT, "One two three", "A short poem about the sea:"],
+                               sampling_params={"max_new_tokens": 5, **greedy}, **ids, **kw)
+        for i, out in enumerate(outs):
+            keep(f"batch item {i}", kw, out)
+        kw = {"return_hidden_states": True, "hidden_states_format": "tensor", "hidden_states_scope": "all"}
+        out = engine.generate(input_ids=[504, 3575, 282, 4649, 314], sampling_params={"max_new_tokens": 5, **greedy},
+                              **ids, **kw)
+        keep("input_ids prompt", kw, out)
+        kw = {"return_hidden_states": "last", "hidden_states_format": "tensor", "hidden_states_scope": "all",
+              "return_final_hidden_state": True}
+        out = asyncio.run(engine.async_generate(prompt=SHORT_PROMPT,
+                                                sampling_params={"max_new_tokens": 7, **greedy}, **ids, **kw))
+        keep("async_generate", kw, out)
+        errors = {}
+        for name, bad in (("xml", {"hidden_states_format": "xml"}),
+                          ("last_n=0", {"hidden_states_scope": "last_n", "hidden_states_last_n": 0}),
+                          ("last_n without scope", {"hidden_states_last_n": 2})):
+            try:
+                engine.generate(prompt=SHORT_PROMPT, sampling_params={"max_new_tokens": 2},
+                                return_hidden_states=True, **bad)
+                errors[name] = None
+            except Exception as exc:  # noqa: BLE001 - recorded and asserted on by the test
+                errors[name] = f"{type(exc).__name__}: {exc}"
+        after = engine.generate(prompt=SHORT_PROMPT, sampling_params={"max_new_tokens": 3, **greedy}, **ids,
+                                return_hidden_states=True, hidden_states_format="tensor")
+        keep("after errors", {"return_hidden_states": True, "hidden_states_format": "tensor"}, after)
+    finally:
+        engine.shutdown()
+    torch.save({"records": records, "errors": errors, "start_s": started, "total_s": time.time() - t0}, out_path)
+
+
+@pytest.fixture(scope="module")
+def engine_results(model_path: str) -> dict:
+    job = engine_job(model_path)
+    try:
+        rc = job["proc"].wait(timeout=900)
+    except Exception:
+        os.killpg(job["proc"].pid, 9)
+        raise
+    job["log_file"].close()
+    log = Path(job["log"]).read_text()
+    assert rc == 0, f"Engine script failed (rc {rc}), log {job['log']}:\n{log[-4000:]}"
+    results = torch.load(job["out"], weights_only=False)
+    print(f"\n[hidden-states] Engine subprocess: start {results['start_s']:.0f}s, total {results['total_s']:.0f}s, "
+          f"waited {time.time() - job['t0']:.0f}s since launch", flush=True)
+    return results
+
+
+def test_engine_rows_match_hf(engine_results, hf) -> None:
+    records = engine_results["records"]
+    assert len(records) == 9 + 3 + 1 + 1 + 1, [r["name"] for r in records]
+    diffs = {}
+    for rec in records:
+        kw = rec["kw"]
+        fmt = kw.get("hidden_states_format")
+        if fmt == "tensor":
+            assert isinstance(rec["hidden_states"], torch.Tensor), (rec["name"], type(rec["hidden_states"]))
+        diffs[rec["name"]] = check_response(
+            hf, rec, mode=kw["return_hidden_states"], fmt=fmt, scope=kw.get("hidden_states_scope"),
+            last_n=kw.get("hidden_states_last_n"), final=bool(kw.get("return_final_hidden_state")),
+            what=f"Engine {rec['name']}")
+    cached = next(r for r in records if r["name"] == "tensor all again (cached prompt)")
+    assert cached["hidden_states_positions"][0] == 0 and len(cached["input_ids"]) > 3 * 64
+    report("Engine", **{k: f"{v:.1e}" for k, v in diffs.items()})
+
+
+def test_engine_bad_fields_raise(engine_results) -> None:
+    errors = engine_results["errors"]
+    assert errors["xml"] and "hidden_states_format" in errors["xml"], errors
+    assert errors["last_n=0"] and "positive" in errors["last_n=0"], errors
+    assert errors["last_n without scope"] and "last_n" in errors["last_n without scope"], errors
+
+
+if __name__ == "__main__":
+    _engine_main(sys.argv[1], sys.argv[2])

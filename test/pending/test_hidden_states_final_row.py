@@ -1,0 +1,108 @@
+"""return_final_hidden_state: the last generated token's row (which plain decoding never computes)
+equals the HF forward over prompt + full response at its last position, whether generation stopped
+by EOS or by max_tokens, and asking for it changes nothing else in the response."""
+
+from __future__ import annotations
+
+import pytest
+import requests
+
+from hidden_states_fixtures import (  # noqa: F401 - fixtures
+    TIMEOUT,
+    SHORT_PROMPT,
+    check_response,
+    finish_type,
+    generate,
+    hf,
+    hs_fields,
+    hs_noradix_server,
+    hs_server,
+    report,
+    rows_of,
+)
+
+EOS_ID = 2  # <|im_end|>, generation_config.eos_token_id of SmolLM2-Instruct
+EOS_QUESTION = "What is 2+2? Answer with a number only."  # greedy: "2 + 2 = 4" then <|im_end|>
+
+# (format, mode, scope): every scope, both modes, both formats
+FINAL_CASES = [
+    ("base64", True, "response"),
+    ("list", True, "all"),
+    ("base64", "last", "all"),
+    ("list", True, "last_n"),
+    ("base64", "last", "response"),
+]
+
+SAME_KEYS = ("output_ids", "completion_tokens", "prompt_tokens", "finish_reason")
+
+
+def _servers(request, which: str):
+    return request.getfixturevalue("hs_server" if which == "radix" else "hs_noradix_server")
+
+
+@pytest.mark.parametrize("which", ["radix", "noradix"])
+@pytest.mark.parametrize("stop", ["eos", "max_tokens"])
+def test_final_row_matches_hf_and_changes_nothing_else(request, hf, which: str, stop: str) -> None:
+    url = _servers(request, which).url
+    if stop == "eos":
+        prompt = hf.tokenizer.apply_chat_template([{"role": "user", "content": EOS_QUESTION}], tokenize=False,
+                                                  add_generation_prompt=True)
+        max_new = 24
+    else:
+        prompt, max_new = SHORT_PROMPT, 12
+    plain = generate(url, prompt, max_new)
+    pmeta = plain["meta_info"]
+    if stop == "eos":
+        assert finish_type(pmeta["finish_reason"]) == "stop" and pmeta["finish_reason"].get("matched") == EOS_ID, \
+            pmeta["finish_reason"]
+        assert pmeta["output_ids"][-1] == EOS_ID and len(pmeta["output_ids"]) < max_new
+    else:
+        assert finish_type(pmeta["finish_reason"]) == "length" and len(pmeta["output_ids"]) == max_new, \
+            pmeta["finish_reason"]
+
+    diffs = {}
+    for fmt, mode, scope in FINAL_CASES:
+        last_n = 4 if scope == "last_n" else None
+        for final in (True, False):
+            out = generate(url, prompt, max_new, fields=hs_fields(mode, fmt, scope, last_n, final))
+            meta = out["meta_info"]
+            what = f"{which} {stop} {fmt} {mode} {scope} final={final}"
+            assert out["text"] == plain["text"], f"{what}: text {out['text']!r} != {plain['text']!r}"
+            for key in SAME_KEYS:
+                assert meta[key] == pmeta[key], f"{what}: {key} {meta[key]!r} != {pmeta[key]!r}"
+            diffs[what] = check_response(hf, meta, mode=mode, fmt=fmt, scope=scope, last_n=last_n, final=final,
+                                         what=what)
+            rows, pos = rows_of(meta, fmt)
+            total = len(meta["input_ids"]) + len(meta["output_ids"])
+            assert pos[-1] == (total - 1 if final else total - 2), (what, pos[-1], total)
+    report(f"final row {which} {stop}", n_output=len(pmeta["output_ids"]),
+           **{k: f"{v:.1e}" for k, v in diffs.items()})
+
+
+def test_final_row_through_openai_changes_nothing_else(hs_server, hf) -> None:
+    url = hs_server.url
+    messages = [{"role": "user", "content": EOS_QUESTION}]
+    ids = {"return_input_ids": True, "return_output_ids": True}
+    base = {"model": "default", "messages": messages, "max_tokens": 24, "temperature": 0, **ids}
+    plain = requests.post(url + "/v1/chat/completions", json=base, timeout=TIMEOUT).json()
+    with_final = requests.post(url + "/v1/chat/completions", timeout=TIMEOUT,
+                               json={**base, **hs_fields("last", "base64", "response", None, True)}).json()
+    p, f = plain["choices"][0], with_final["choices"][0]
+    assert f["message"]["content"] == p["message"]["content"]
+    assert f["finish_reason"] == p["finish_reason"] == "stop"
+    assert f["message"]["output_ids"] == p["message"]["output_ids"]
+    assert with_final["usage"]["completion_tokens"] == plain["usage"]["completion_tokens"]
+    check_response(hf, f["message"], mode="last", fmt="base64", scope="response", final=True, what="chat final")
+
+
+@pytest.mark.parametrize("stop", [{"stop": [" answer"]}, {"stop_token_ids": [504]}], ids=["stop_str", "stop_token"])
+def test_final_row_with_stop_strings_and_stop_tokens(hs_server, hf, stop: dict) -> None:
+    """SHORT_PROMPT greedily continues " Paris.\\n\\nThe answer is ..."; token 504 is "The"."""
+    url = hs_server.url
+    plain = generate(url, SHORT_PROMPT, 16, **stop)
+    assert finish_type(plain["meta_info"]["finish_reason"]) == "stop", plain["meta_info"]["finish_reason"]
+    out = generate(url, SHORT_PROMPT, 16, fields=hs_fields(True, "base64", "all", None, True), **stop)
+    assert out["text"] == plain["text"]
+    for key in SAME_KEYS:
+        assert out["meta_info"][key] == plain["meta_info"][key], key
+    check_response(hf, out["meta_info"], mode=True, fmt="base64", scope="all", final=True, what=f"stop {stop}")
