@@ -55,14 +55,16 @@ def _engine_main(out_path: str, model_path: str) -> None:
 
     t0 = time.time()
     engine = sgl.Engine(model_path=model_path, device="cpu", attention_backend="torch_native", dtype="float32",
-                        max_total_tokens=16384, enable_return_hidden_states=True, chunked_prefill_size=64, toploc_verification=True,
+                        max_total_tokens=16384, enable_return_hidden_states=True, chunked_prefill_size=64,
                         log_level="warning")
     started = time.time() - t0
+    print(f"[engine] started in {started:.0f}s", flush=True)
     ids = {"return_input_ids": True, "return_output_ids": True}
     greedy = {"temperature": 0.0}
     records = []
 
     def keep(name, kw, out):
+        print(f"[engine] {time.time() - t0:.0f}s {name}", flush=True)
         meta = out["meta_info"]
         records.append({"name": name, "kw": kw, "text": out["text"],
                         **{k: meta.get(k) for k in ("input_ids", "output_ids", "hidden_states",
