@@ -11,7 +11,8 @@ module that imports it). They are stopped at interpreter exit.
 * ``hs_noradix_server``: ``--enable-return-hidden-states --disable-radix-cache``, no TOPLOC: here
   a batch of plain requests captures rows (the server flag makes every batch capture) without any
   request having raised its own capture mode, the case TOPLOC's per-request mode hides.
-* the refusal case reuses ``plain_server`` of test/e2e/conftest.py (the plugin, no flag).
+* ``refusal_server``: the plugin, no flag: ``plain_server`` of test/e2e/conftest.py when these files
+  sit in test/e2e, else one started here.
 
 The reference for every row is a plain transformers forward in float32:
 ``AutoModelForCausalLM.from_pretrained(model).model(ids).last_hidden_state`` (the lm_head input,
@@ -36,8 +37,13 @@ import pytest
 import requests
 import torch
 
-from e2e_servers import Server, e2e_env, start_server
-from sglang_rl.hidden_states import decode_rows
+HERE = Path(__file__).resolve().parent
+E2E_DIR = HERE.parent / "e2e"  # e2e_servers.py (and its conftest), wherever these files live
+if str(E2E_DIR) not in sys.path:
+    sys.path.insert(0, str(E2E_DIR))
+
+from e2e_servers import Server, e2e_env, start_server  # noqa: E402
+from sglang_rl.hidden_states import decode_rows  # noqa: E402
 
 # A row equals the HF row when every element is within ATOL + RTOL * |HF value| (torch.allclose).
 # ATOL is the 1e-4 of the spec. RTOL covers this model's outlier dimensions: dimension 199 carries
@@ -51,7 +57,6 @@ RTOL = 1e-5
 TIMEOUT = 300  # per request: generous for <=100 tokens even on a loaded machine; no test waits forever
 HANG_TIMEOUT = 30  # for request shapes that were seen to never answer (each answers in ~1 s when it works)
 LOG_DIR = Path(os.environ.get("SGLANG_RL_TEST_LOGS", "/tmp/sglang-rl-test-logs"))
-HERE = Path(__file__).resolve().parent
 
 # A prompt of 236 tokens: more than 3 chunks of 64 on hs_server; greedy continues it for many tokens
 # (an ending like "Summarize the list above:" makes the model stop at once, leaving no decode rows).
@@ -124,7 +129,7 @@ def shared_servers(model_path: str) -> dict[str, Server]:
     with, the servers: three cold starts at once on 2 cores can push a server past its health
     timeout), so that its start overlaps the HTTP tests."""
     with _lock:
-        if not _servers and not _failed:
+        if not any(name in _servers or name in _failed for name in SERVER_ARGS):
             t0 = time.time()
 
             def one(name: str) -> None:
@@ -137,7 +142,8 @@ def shared_servers(model_path: str) -> dict[str, Server]:
             with ThreadPoolExecutor(len(SERVER_ARGS)) as pool:
                 list(pool.map(one, SERVER_ARGS))
             print(f"\n[hidden-states] servers started in {time.time() - t0:.0f}s: "
-                  + ", ".join(f"{k} {v.url} (log {v.log_path})" for k, v in _servers.items())
+                  + ", ".join(f"{k} {_servers[k].url} (log {_servers[k].log_path})" for k in SERVER_ARGS
+                              if k in _servers)
                   + "".join(f"; {k} FAILED" for k in _failed), flush=True)
             engine_job(model_path)
     return _servers
@@ -162,7 +168,7 @@ def engine_job(model_path: str) -> dict[str, Any]:
         if out.exists():
             out.unlink()
         env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", **e2e_env(),
-               "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+               "PYTHONPATH": os.pathsep.join([str(HERE), str(E2E_DIR), os.environ.get("PYTHONPATH", "")])}
         log_file = open(log, "w")
         proc = subprocess.Popen(
             [sys.executable, str(HERE / "test_hidden_states_engine.py"), str(out), model_path],
@@ -170,6 +176,20 @@ def engine_job(model_path: str) -> dict[str, Any]:
         )
         _engine_job.update(proc=proc, out=out, log=log, log_file=log_file, t0=time.time())
     return _engine_job
+
+
+@pytest.fixture(scope="session")
+def refusal_server(request, model_path: str) -> Server:
+    """A server with the plugin and no --enable-return-hidden-states: test/e2e's `plain_server`
+    where that fixture exists (these files run under test/e2e), else one started here."""
+    try:
+        return request.getfixturevalue("plain_server")
+    except pytest.FixtureLookupError:
+        pass
+    with _lock:
+        if "plain" not in _servers:
+            _servers["plain"] = start_server(model_path, log_name="hs-plain")
+    return _servers["plain"]
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,7 @@ from hidden_states_fixtures import (  # noqa: F401 - fixtures
     hf,
     hs_fields,
     hs_server,
+    refusal_server,
     report,
 )
 
@@ -84,9 +85,9 @@ def test_bad_fields_are_400_with_the_reason(hs_server, hf, endpoint: str) -> Non
     check_response(hf, out["meta_info"], mode=True, fmt="base64", scope="all", final=True, what="after 400s")
 
 
-def test_server_without_the_flag_refuses(plain_server) -> None:
-    """plain_server: the plugin, no --enable-return-hidden-states."""
-    url = plain_server.url
+def test_server_without_the_flag_refuses(refusal_server) -> None:
+    """The plugin, no --enable-return-hidden-states."""
+    url = refusal_server.url
     refusals = {}
     for endpoint in ("generate", "chat", "completions"):
         for fields in (hs_fields(True, "base64"), hs_fields("last", "list", "response"),
