@@ -39,6 +39,27 @@ def payload_bytes(meta: dict) -> int:
     return len(json.dumps(hs))
 
 
+def rows_of(meta: dict):
+    """The delivered rows of one request as a float32 tensor (any format), or None."""
+    import torch
+
+    from sglang_rl.hidden_states import decode_rows
+
+    hs = meta.get("hidden_states")
+    if hs is None:
+        return None
+    if isinstance(hs, dict):
+        return decode_rows(hs)[0].float()
+    if isinstance(hs, torch.Tensor):
+        return hs.float()
+    # upstream: one element per forward, a prefill's [rows, H] nested list or a decode step's row
+    if hs and not isinstance(hs[0], list):
+        return torch.tensor(hs, dtype=torch.float32).unsqueeze(0)  # LAST: one flat row
+    parts = [torch.tensor(e, dtype=torch.float32) for e in hs]
+    hidden = parts[-1].shape[-1]
+    return torch.cat([t.reshape(-1, hidden) for t in parts])
+
+
 def run_group(args: argparse.Namespace, group: str) -> list[dict]:
     import sglang as sgl
 
@@ -46,6 +67,7 @@ def run_group(args: argparse.Namespace, group: str) -> list[dict]:
     extra = {} if group == "plain" else {"enable_return_hidden_states": True}
     llm = sgl.Engine(**engine_kwargs(args.model_path, args.dummy, not args.cpu, **extra))
     rows = []
+    reference = None  # upstream's FULL list rows of the first request: every FULL format must match
     for shape in args.shapes:
         n, lin, lout = (int(x) for x in shape.split("x"))
         prompts = random_prompts(n, lin, seed=lin)
@@ -57,8 +79,18 @@ def run_group(args: argparse.Namespace, group: str) -> list[dict]:
             outs = llm.generate(input_ids=prompts, sampling_params=sp, **kw)
             dt = time.time() - t
             toks = sum(o["meta_info"]["completion_tokens"] for o in outs)
-            rows.append({"shape": shape, "mode": name, "out_tok_per_s": round(toks / dt, 1),
-                         "payload_MB_per_req": round(payload_bytes(outs[0]["meta_info"]) / 2**20, 2)})
+            row = {"shape": shape, "mode": name, "out_tok_per_s": round(toks / dt, 1),
+                   "payload_MB_per_req": round(payload_bytes(outs[0]["meta_info"]) / 2**20, 2)}
+            got = rows_of(outs[0]["meta_info"])
+            if name == "full-list (upstream)":
+                reference = got
+            elif got is not None and reference is not None and "scope" not in " ".join(kw):
+                # upstream drops the prompt rows of a radix-cached prefix: compare the rows it has
+                n = min(got.shape[0], reference.shape[0])
+                diff = (got[-n:] - reference[-n:]).abs().max().item()
+                row["rows_vs_list"] = f"{got.shape[0]} rows (list {reference.shape[0]}), max|diff| {diff:.1e}"
+            rows.append(row)
+        reference = None
     llm.shutdown()
     return rows
 
@@ -86,7 +118,7 @@ def main() -> None:
         r["vs_plain"] = round(r["out_tok_per_s"] / base[r["shape"]], 3)
     rows.sort(key=lambda r: (r["shape"], list(MODES).index(r["mode"])))
     print("\nHidden-state delivery, greedy, ignore_eos; shape = requests x prompt x output tokens")
-    print_table(rows, ["shape", "mode", "out_tok_per_s", "vs_plain", "payload_MB_per_req"])
+    print_table(rows, ["shape", "mode", "out_tok_per_s", "vs_plain", "payload_MB_per_req", "rows_vs_list"])
 
 
 if __name__ == "__main__":

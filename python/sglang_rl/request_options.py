@@ -71,12 +71,19 @@ def validate_fields(fields: dict, server_args: Any) -> dict:
     return out
 
 
-def _int_field(fields: dict, name: str, default: Any, low: int, high: int) -> int:
+KCBS_STREAM_ERROR = "k-CBS does not support streaming: set stream=false"
+
+
+def _int_field(fields: dict, name: str, default: Any, default_name: str, low: int, high: int) -> int:
     value = fields.get(name)
+    label = name
     if value is None:
+        if default is None:
+            raise RequestOptionError(f"k-CBS needs {name}: set it, or set {default_name} (its default)")
         value = default
+        label = f"{default_name} (the default of {name})"
     if isinstance(value, bool) or not isinstance(value, int):
-        raise RequestOptionError(f"{name} must be an integer, got {value!r}")
+        raise RequestOptionError(f"{label} must be an integer, got {value!r}")
     if not low <= value <= high:
         raise RequestOptionError(f"{name} must be between {low} and {high}, got {value}")
     return value
@@ -94,15 +101,16 @@ def validate_kcbs(fields: dict, params: dict, stream: bool, server_args: Any) ->
         raise RequestOptionError(f"kcbs_enabled must be true or false, got {enabled!r}")
     top_k = params.get("top_k")
     k = _int_field(fields, "kcbs_beam_width", top_k if isinstance(top_k, int) and top_k > 0 else None,
-                   1, KCBS_MAX_BEAM_WIDTH)
-    steps = _int_field(fields, "kcbs_steps", params.get("max_new_tokens"), 1, KCBS_MAX_STEPS)
+                   "top_k", 1, KCBS_MAX_BEAM_WIDTH)
+    steps = _int_field(fields, "kcbs_steps", params.get("max_new_tokens"), "max_tokens / max_new_tokens",
+                       1, KCBS_MAX_STEPS)
     final_prune = fields.get("kcbs_final_prune", True)
     if not isinstance(final_prune, bool):
         raise RequestOptionError(f"kcbs_final_prune must be true or false, got {final_prune!r}")
     if (params.get("n") or 1) > 1:
         raise RequestOptionError("k-CBS returns its candidates in one choice: n > 1 is not supported")
     if stream:
-        raise RequestOptionError("k-CBS does not support streaming: set stream=false")
+        raise RequestOptionError(KCBS_STREAM_ERROR)
     if getattr(server_args, "speculative_algorithm", None):
         raise RequestOptionError("k-CBS is not supported with speculative decoding")
     return {"kcbs_k": k, "kcbs_steps": steps, "kcbs_keep_all": not final_prune}

@@ -24,6 +24,7 @@ from sglang_rl.request_options import (
     ALL_FIELDS,
     HIDDEN_STATES_FIELDS,
     KCBS_FIELDS,
+    KCBS_STREAM_ERROR,
     CUSTOM_PARAMS_KEY,
     RESPONSE_START_KEY,
     RequestOptionError,
@@ -61,6 +62,23 @@ class RLGenerateReqInput(GenerateReqInput):
     kcbs_beam_width: Optional[Any] = None
     kcbs_final_prune: Optional[Any] = None
     kcbs_steps: Optional[Any] = None
+
+    def __post_init__(self) -> None:
+        # /generate with stream=true answers from inside its streaming response, so a ValueError
+        # raised later (in generate_request) would reach the client as an SSE error event after
+        # a 200; refusing here makes it a 400 like every other bad field.
+        if self.stream is True and _kcbs_requested(self):
+            raise RequestOptionError(KCBS_STREAM_ERROR)
+
+
+def _kcbs_requested(obj: Any) -> bool:
+    if getattr(obj, "kcbs_enabled", None) is True:
+        return True
+    params = obj.sampling_params
+    for p in params if isinstance(params, list) else [params]:
+        if isinstance(p, dict) and p.get("kcbs_enabled") is True:
+            return True
+    return False
 
 
 def _sampling_dicts(obj: Any) -> list[dict]:
@@ -195,15 +213,16 @@ def _finish_meta(out: dict, obj: Any) -> None:
     payload = transport.collect(meta)
     if FINGERPRINTS_FIELD in payload:
         meta[FINGERPRINTS_FIELD] = payload[FINGERPRINTS_FIELD]
-    for key in (hs_adapter.ROWS_FIELD, hs_adapter.POSITIONS_FIELD, CANDIDATES_FIELD):
-        if key in payload:
-            meta[key] = payload[key]
-    if "hidden_states_error" in payload:
-        meta["hidden_states_error"] = payload["hidden_states_error"]
+    if hs_adapter.PAYLOAD_KEY in payload:
+        meta.update(hs_adapter.deliver(payload[hs_adapter.PAYLOAD_KEY]))
+    if CANDIDATES_FIELD in payload:
+        meta[CANDIDATES_FIELD] = payload[CANDIDATES_FIELD]
     if RESULT_FIELD in payload:
         report = finalize_report(payload[RESULT_FIELD], meta, _expect_greedy(obj))
         meta[RESULT_FIELD] = json.dumps(report)
-    if getattr(obj, _IMPLICIT_LOGPROBS, False) and (RESULT_FIELD in payload or CANDIDATES_FIELD in payload):
+    if getattr(obj, _IMPLICIT_LOGPROBS, False) and (
+        RESULT_FIELD in payload or CANDIDATES_FIELD in payload or "kcbs_k" in _options(obj)
+    ):
         for key in [k for k in meta if "logprobs" in k]:
             meta.pop(key)
     options = _options(obj)

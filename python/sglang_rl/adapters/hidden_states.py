@@ -2,9 +2,12 @@
 
 A request that uses the sglang-rl fields (format / scope / last_n / final row) raises only its
 own CaptureHiddenMode and never sets upstream's `return_hidden_states`, so no per-token
-`.tolist()` runs. Its rows (already copied to host by sglang with the batch results) are kept as
-tensors, tagged with their token positions, and encoded once when the request finishes:
-raw little-endian bytes in base64, upstream-style lists, or tensors for the in-process Engine.
+`.tolist()` runs. Its rows arrive on the host with sglang's own batched, asynchronous copy of the
+batch results (pinned memory). FULL rows are appended, tagged with their token positions, to the
+request's shared-memory files; at finish the scheduler posts only a file handle, and the API
+process (`deliver`) maps the rows, selects the scope and encodes them: raw little-endian bytes in
+base64, upstream-style lists, or tensors for the in-process Engine. The scheduler thread never
+encodes, and megabytes of rows never travel through the detokenizer.
 
 Positions: the row at position p is the lm_head input computed with token p as input. Prefill
 rows cover [L - R, L) (R rows computed; the prefix cache is capped so scope "all" recomputes the
@@ -15,9 +18,12 @@ own KV cache, the extra sampled token is cut by sglang's finished_len.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Optional
 
 import torch
+
+from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
 from sglang_rl.adapters import transport
 from sglang_rl.hidden_states import (
@@ -29,10 +35,14 @@ from sglang_rl.hidden_states import (
     rows_to_list,
     select_positions,
 )
+from sglang_rl.hidden_states.row_segments import RowSegments, read_rows, shm_dir
+
+logger = logging.getLogger(__name__)
 
 # custom_params["sglang_rl"] keys
 KEYS = ("hs_mode", "hs_format", "hs_scope", "hs_last_n", "hs_final")
 ROWS_FIELD = "hidden_states"
+PAYLOAD_KEY = "hidden_states_payload"
 POSITIONS_FIELD = "hidden_states_positions"
 
 
@@ -60,13 +70,25 @@ def options_from_entry(entry: dict) -> Optional[HiddenStatesOptions]:
 
 
 class RowCollector:
-    """Rows of one request with their positions, bounded for last_n / LAST requests."""
+    """Rows of one request with their positions.
 
-    def __init__(self, options: HiddenStatesOptions, prompt_len: int) -> None:
+    FULL requests of scope all/response write rows into shared-memory files as they arrive
+    (`RowSegments`), so finishing hands over a file handle instead of pickling megabytes through
+    the detokenizer; LAST / last_n requests keep a few rows in memory. A rank that does not send
+    outputs keeps no rows (`stores=False`) but still runs the deferred final step like the others.
+    """
+
+    def __init__(self, options: HiddenStatesOptions, prompt_len: int,
+                 max_new_tokens: Optional[int] = None, stores: bool = True) -> None:
         self.options = options
         self.prompt_len = prompt_len
+        self.stores = stores
         self.rows: list[torch.Tensor] = []
         self.positions: list[int] = []
+        self.segments: Optional[RowSegments] = None
+        if stores and options.mode is HiddenStatesMode.FULL and options.scope is not HiddenStatesScope.LAST_N:
+            expected = (prompt_len if options.scope is HiddenStatesScope.ALL else 1) + 1
+            self.segments = RowSegments(expected + min(max_new_tokens or 256, 4096))
         self._prefill: list[torch.Tensor] = []
         self.deferred: Optional[tuple] = None
         self.final_step_done = False
@@ -86,20 +108,39 @@ class RowCollector:
             return max(0, self.prompt_len - (self.options.last_n or 0))
         return 0
 
-    def add_prefill(self, rows: torch.Tensor, last_chunk: bool) -> None:
+    def add_prefill(self, rows: torch.Tensor, last_chunk: bool, end: Optional[int] = None) -> None:
+        """Rows of one prefill chunk; the chunks of a prefill end at position `end` (exclusive,
+        default the prompt length)."""
+        if not self.stores:
+            return
         self._prefill.append(rows)
         if last_chunk:
             block = torch.cat(self._prefill) if len(self._prefill) > 1 else self._prefill[0]
             self._prefill = []
-            start = self.prompt_len - block.shape[0]
-            self.rows.extend(block)
-            self.positions.extend(range(start, self.prompt_len))
-            self._trim()
+            end = self.prompt_len if end is None else end
+            self._add(block, range(end - block.shape[0], end))
 
     def add_decode(self, row: torch.Tensor, position: int) -> None:
-        self.rows.append(row)
-        self.positions.append(position)
+        if self.stores:
+            self._add(row.unsqueeze(0), [position])
+
+    def _add(self, block: torch.Tensor, positions: Any) -> None:
+        if self.segments is not None:
+            try:
+                self.segments.append(block, positions)
+                return
+            except OSError as exc:
+                _warn_shm_full(exc)
+                self._to_memory()
+        self.rows.extend(block)
+        self.positions.extend(positions)
         self._trim()
+
+    def _to_memory(self) -> None:
+        """Shared memory ran out: keep this request's rows in process memory from now on."""
+        rows, positions = read_rows(self.segments.handoff())
+        self.segments = None
+        self.rows, self.positions = list(rows.clone()), positions
 
     def _trim(self) -> None:
         keep = None
@@ -111,26 +152,70 @@ class RowCollector:
             del self.rows[:-keep], self.positions[:-keep]
 
     def finish(self, output_len: int) -> dict:
-        """Select the scope's rows and encode them in the requested format."""
+        """The delivery payload: wanted positions plus the rows (a file handle, or inline)."""
         self.done = True
         wanted = select_positions(self.prompt_len, output_len, self.options, self.has_final_row)
-        index = {p: i for i, p in enumerate(self.positions)}
-        missing = [p for p in wanted if p not in index]
-        if missing:
-            return {"hidden_states_error": f"rows for positions {missing[:8]} were not captured"}
-        rows = (torch.stack([self.rows[index[p]] for p in wanted]) if wanted
-                else torch.empty(0, self.rows[0].shape[-1] if self.rows else 0))
+        payload = {"format": self.options.format.value, "wanted": wanted}
+        if self.segments is not None:
+            payload["handle"] = self.segments.handoff()
+        else:
+            index = {p: i for i, p in enumerate(self.positions)}
+            keep = [index[p] for p in wanted if p in index]
+            payload["rows"] = torch.stack([self.rows[i] for i in keep]) if keep else None
+            payload["positions"] = [self.positions[i] for i in keep]
         self.rows, self.positions = [], []
-        fmt = self.options.format
-        if fmt is HiddenStatesFormat.BASE64:
-            return {ROWS_FIELD: encode_rows(rows, wanted)}
-        if fmt is HiddenStatesFormat.TENSOR:
-            return {ROWS_FIELD: rows.clone(), POSITIONS_FIELD: wanted}
-        return {ROWS_FIELD: rows_to_list(rows), POSITIONS_FIELD: wanted}
+        return {PAYLOAD_KEY: payload}
+
+    def discard(self) -> None:
+        """Drop the rows without delivering them (the request was aborted)."""
+        self.done = True
+        if self.segments is not None:
+            self.segments.discard()
+        self.rows, self.positions = [], []
+
+
+_warned = False
+
+
+def _warn_shm_full(exc: OSError) -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        logger.warning("sglang-rl: no room for hidden-state rows in %s (%s); keeping rows in "
+                       "process memory (slower handoff). Enlarge /dev/shm or set SGLANG_RL_SHM_DIR.",
+                       shm_dir(), exc)
 
 
 def finish_collectors(items: list[tuple[RowCollector, Any]]) -> None:
-    """Post the selected, encoded rows of every finishing request to its response."""
+    """Hand the rows of every finishing request to its response (aborted ones are dropped)."""
     for collector, req in items:
-        payload = collector.finish(len(req.output_ids_through_stop))
-        transport.post(req, **payload)
+        if isinstance(req.finished_reason, FINISH_ABORT):
+            collector.discard()
+            continue
+        transport.post(req, **collector.finish(len(req.output_ids_through_stop)))
+
+
+def deliver(payload: dict) -> dict:
+    """API side: select the wanted rows and encode them in the requested format."""
+    wanted = payload["wanted"]
+    if "handle" in payload:
+        rows, positions = read_rows(payload["handle"])
+    else:
+        rows, positions = payload["rows"], payload["positions"]
+    index = {p: i for i, p in enumerate(positions)}
+    missing = [p for p in wanted if p not in index]
+    if missing:
+        return {"hidden_states_error": f"rows for positions {missing[:8]} were not captured"}
+    pick = [index[p] for p in wanted]
+    if not pick:
+        rows = torch.empty(0, rows.shape[-1] if rows is not None else 0)
+    elif pick != list(range(pick[0], pick[0] + len(pick))):
+        rows = rows.index_select(0, torch.tensor(pick))
+    else:
+        rows = rows[pick[0]:pick[0] + len(pick)]
+    fmt = HiddenStatesFormat(payload["format"])
+    if fmt is HiddenStatesFormat.BASE64:
+        return {ROWS_FIELD: encode_rows(rows, wanted)}
+    if fmt is HiddenStatesFormat.TENSOR:
+        return {ROWS_FIELD: rows, POSITIONS_FIELD: wanted}
+    return {ROWS_FIELD: rows_to_list(rows), POSITIONS_FIELD: wanted}

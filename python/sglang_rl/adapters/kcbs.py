@@ -17,17 +17,20 @@ from __future__ import annotations
 import copy
 import math
 from array import array
-from typing import Any, Optional
+from http import HTTPStatus
+from typing import Any, Callable, Optional
 
 import torch
 
-from sglang.srt.managers.schedule_batch import FINISH_LENGTH, FINISH_MATCHED_TOKEN, Req
+from sglang.srt.environ import envs
+from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH, FINISH_MATCHED_TOKEN, Req
 
 from sglang_rl.adapters import transport
 from sglang_rl.kcbs import kcbs_step
 
 PARENT_ATTR = "_sglang_rl_kcbs"
 CHILD_ATTR = "_sglang_rl_kcbs_child"
+CONSUMED_ATTR = "_sglang_rl_kcbs_consumed"
 CANDIDATES_FIELD = "kcbs_candidates"
 
 _scheduler: Any = None
@@ -56,8 +59,13 @@ class KcbsSearch:
         self.keep_all = keep_all
         self.step = 0
         self.beams: list[Beam] = [Beam([], 0.0, 0.0, False, "length")]
+        # beam index -> (vals, ids) of its child of the current step, None while it runs
         self.pending: dict[int, Optional[tuple[list[float], list[int]]]] = {}
+        # beam index -> the child request of the current step
+        self.children: dict[int, Any] = {}
+        self.started = False
         self.done = False
+        self.aborted = False
 
     def eos_ids(self) -> set[int]:
         p = self.parent
@@ -67,6 +75,10 @@ class KcbsSearch:
         if tok is not None and getattr(tok, "eos_token_id", None) is not None:
             ids.add(tok.eos_token_id)
         return ids
+
+
+# Searches between their first step and their end, by parent rid (for aborts).
+_active: dict[Any, KcbsSearch] = {}
 
 
 CHILD_RID_MARK = "::kcbs::"
@@ -83,11 +95,12 @@ def parent_state(options: dict) -> Optional[tuple[int, int, bool]]:
     return int(options["kcbs_k"]), int(options["kcbs_steps"]), bool(options.get("kcbs_keep_all"))
 
 
-def _top_logprobs(req: Any) -> tuple[list[float], list[int]]:
-    vals = req.logprob.output_top_logprobs_val
-    idxs = req.logprob.output_top_logprobs_idx
-    if not vals:
-        raise RuntimeError(f"k-CBS: no top log-probs for request {req.rid}")
+def _top_logprobs(req: Any) -> Optional[tuple[list[float], list[int]]]:
+    """The top-k (vals, ids) of the position after the request's last token (None if missing)."""
+    vals = req.logprob.output_top_logprobs_val if req.return_logprob else None
+    idxs = req.logprob.output_top_logprobs_idx if req.return_logprob else None
+    if not vals or not idxs or not vals[-1]:
+        return None
     return list(vals[-1]), list(idxs[-1])
 
 
@@ -124,10 +137,11 @@ def _advance(search: KcbsSearch, tops: list[Optional[tuple[list[float], list[int
     search.step += 1
 
 
-def _spawn_children(search: KcbsSearch) -> None:
+def _spawn_children(search: KcbsSearch, released: list) -> None:
     p = search.parent
     sched = _scheduler
     search.pending = {}
+    search.children = {}
     for b, beam in enumerate(search.beams):
         if beam.finished:
             continue
@@ -142,15 +156,24 @@ def _spawn_children(search: KcbsSearch) -> None:
         )
         child.tokenizer = getattr(p, "tokenizer", None)
         child.logprob_start_len = len(ids)
-        setattr(child, CHILD_ATTR, (search, b))
+        setattr(child, CHILD_ATTR, (search, search.step, b))
         search.pending[b] = None
+        search.children[b] = child
         sched.init_req_max_new_tokens(child)
         sched._add_request_to_queue(child)
+        queue = sched.waiting_queue
+        local = getattr(getattr(sched, "disaggregation_mode", None), "name", "NULL") == "NULL"
+        if local and (not queue or queue[-1] is not child):
+            # refused by the scheduler (queue limit, priority rules): the search cannot go on
+            _abort(search, "k-CBS: the scheduler refused a beam request (waiting queue full?)", released,
+                   status_code=HTTPStatus.SERVICE_UNAVAILABLE)
+            return
 
 
 def _finalize(search: KcbsSearch) -> None:
     """Release the held request: best candidate as its output, all candidates attached."""
     search.done = True
+    _active.pop(search.parent.rid, None)
     p = search.parent
     beams = search.beams if search.keep_all else search.beams[: search.k]
     tok = getattr(p, "tokenizer", None)
@@ -174,6 +197,40 @@ def _finalize(search: KcbsSearch) -> None:
     transport.post(p, **{CANDIDATES_FIELD: candidates})
 
 
+def _abort(search: KcbsSearch, message: str, released: Optional[list], status_code: Any = None,
+           err_type: Any = None) -> None:
+    """End a search without candidates: its queued beam requests are dropped (they hold no KV),
+    the ones already in a batch are marked to finish (sglang frees their KV as for any finished
+    request; their outputs are dropped by `filter_outputs`), and the held request is released with
+    an abort finish reason, into `released` or, outside an output step, streamed at once."""
+    if search.done:
+        return
+    search.done = True
+    search.aborted = True
+    _active.pop(search.parent.rid, None)
+    sched = _scheduler
+    live = {id(c): c for c in search.children.values() if not c.finished()}
+    if live and sched is not None:
+        queue = sched.waiting_queue
+        dropped = [r for r in queue if id(r) in live]
+        if dropped:
+            queue[:] = [r for r in queue if id(r) not in live]
+            for r in dropped:
+                live.pop(id(r))
+                if getattr(sched, "enable_hicache_storage", False):
+                    sched.tree_cache.release_aborted_request(r.rid)
+        for c in live.values():
+            c.to_finish = FINISH_ABORT(message)
+    p = search.parent
+    p.output_ids = array("q")
+    p.finished_len = 0
+    p.finished_reason = FINISH_ABORT(message, status_code, err_type)
+    if released is not None:
+        released.append(p)
+    elif sched is not None and not p.finished_output:
+        sched.output_streamer.stream_output([p], p.return_logprob)
+
+
 def _all_finished(search: KcbsSearch) -> bool:
     return all(b.finished for b in search.beams)
 
@@ -183,27 +240,66 @@ def _next(search: KcbsSearch, released: list) -> None:
         _finalize(search)
         released.append(search.parent)
     else:
-        _spawn_children(search)
+        _spawn_children(search, released)
+
+
+def _is_abort(req: Any) -> bool:
+    return isinstance(req.finished_reason, FINISH_ABORT)
+
+
+def _child_aborted(search: KcbsSearch, req: Any, released: list) -> None:
+    reason = req.finished_reason
+    _abort(search, f"k-CBS beam request aborted: {reason.message}", released,
+           getattr(reason, "status_code", None), getattr(reason, "err_type", None))
 
 
 def filter_outputs(reqs: list) -> list:
     """Drive the searches whose requests finished in this batch; return the outputs to stream
-    (children removed, held requests removed, completed requests added)."""
+    (children removed, held requests removed, completed or aborted requests added).
+
+    A child is read once, when it finishes, and only if it is the child of its search's current
+    step: with the overlap scheduler a request that finished in a prefill batch was already merged
+    into the next (decode) batch and shows up, finished, in that batch's outputs too, one step
+    later; reading it again there would feed last step's log-probs into this step."""
     released: list = []
     out = []
     touched: list[KcbsSearch] = []
     for req in reqs:
         child = getattr(req, CHILD_ATTR, None)
         if child is not None:
-            if req.finished():
-                search, b = child
-                search.pending[b] = _top_logprobs(req)
-                touched.append(search)
+            search, step, b = child
+            if not req.finished() or getattr(req, CONSUMED_ATTR, False):
+                continue
+            setattr(req, CONSUMED_ATTR, True)
+            if search.done or step != search.step or search.children.get(b) is not req:
+                continue  # a beam of an aborted search, dropped
+            if _is_abort(req):
+                _child_aborted(search, req, released)
+                continue
+            top = _top_logprobs(req)
+            if top is None:
+                _abort(search, f"k-CBS: no top log-probs for beam request {req.rid}", released,
+                       HTTPStatus.INTERNAL_SERVER_ERROR)
+                continue
+            search.pending[b] = top
+            touched.append(search)
             continue
         search = getattr(req, PARENT_ATTR, None)
         if search is not None and not search.done:
-            if req.finished() and search.step == 0 and not search.pending:
+            if req.finished() and not search.started:
+                search.started = True
+                if _is_abort(req):
+                    search.done = search.aborted = True  # sglang aborted it before any beam
+                    out.append(req)
+                    continue
                 top = _top_logprobs(req)
+                if top is None:
+                    search.done = search.aborted = True
+                    req.finished_reason = FINISH_ABORT(
+                        f"k-CBS: no top log-probs for request {req.rid}", HTTPStatus.INTERNAL_SERVER_ERROR)
+                    out.append(req)
+                    continue
+                _active[req.rid] = search
                 _advance(search, [top])
                 _next(search, released)
             continue
@@ -215,3 +311,58 @@ def filter_outputs(reqs: list) -> list:
         _advance(search, tops)
         _next(search, released)
     return out + released
+
+
+def _queued_beams(scheduler: Any) -> list:
+    return [r for r in scheduler.waiting_queue if hasattr(r, CHILD_ATTR)] if _active else []
+
+
+def _abort_orphans(scheduler: Any, queued: list, message: str, status_code: Any = None) -> None:
+    """End the searches whose queued beam requests sglang removed from the waiting queue."""
+    if not queued:
+        return
+    still = {id(r) for r in scheduler.waiting_queue}
+    for r in queued:
+        if id(r) not in still:
+            search = getattr(r, CHILD_ATTR)[0]
+            _abort(search, message, None, status_code)
+
+
+def abort_request_around(original: Callable, scheduler: Any, recv_req: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND Scheduler.abort_request (POST /abort_request, client disconnects, abort_all): the
+    k-CBS request has left sglang's queues after its prompt prefill, so sglang alone would only
+    drop or cut its current beams; end its search here, by the same rid-prefix rule."""
+    queued = _queued_beams(scheduler)
+    result = original(scheduler, recv_req, *args, **kwargs)
+    if _active:
+        rid = recv_req.rid if isinstance(recv_req.rid, str) else ""
+        for search in [s for s in _active.values()
+                       if recv_req.abort_all or s.parent.rid.startswith(rid)]:
+            _abort(search, recv_req.abort_message or "Aborted by AbortReq.", None)
+        _abort_orphans(scheduler, queued, "k-CBS beam request aborted")
+    return result
+
+
+def waiting_timeout_around(original: Callable, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND Scheduler._abort_on_waiting_timeout: a beam request dropped from the waiting queue
+    for waiting too long ends its search (only with SGLANG_REQ_WAITING_TIMEOUT set)."""
+    if not _active or envs.SGLANG_REQ_WAITING_TIMEOUT.get() <= 0:
+        return original(scheduler, *args, **kwargs)
+    queued = _queued_beams(scheduler)
+    result = original(scheduler, *args, **kwargs)
+    _abort_orphans(scheduler, queued, "k-CBS beam request aborted: waiting timeout reached",
+                   HTTPStatus.SERVICE_UNAVAILABLE)
+    return result
+
+
+def add_request_to_queue_around(original: Callable, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND Scheduler._add_request_to_queue: with priority scheduling and a queue limit, a new
+    request can evict a queued one, possibly a beam request, which then ends its search."""
+    if not (_active and getattr(scheduler, "enable_priority_scheduling", False)
+            and getattr(scheduler, "max_queued_requests", None) is not None):
+        return original(scheduler, *args, **kwargs)
+    queued = _queued_beams(scheduler)
+    result = original(scheduler, *args, **kwargs)
+    _abort_orphans(scheduler, queued, "k-CBS beam request aborted: evicted from a full queue",
+                   HTTPStatus.SERVICE_UNAVAILABLE)
+    return result

@@ -65,7 +65,8 @@ def req_init_after(result: None, req: Any, *args: Any, **kwargs: Any) -> None:
             setattr(req, STATE_ATTR, state)
     hs_options = hidden_states.options_from_entry(options)
     if hs_options is not None and hs_options.enabled:
-        collector = hidden_states.RowCollector(hs_options, len(req.origin_input_ids))
+        collector = hidden_states.RowCollector(
+            hs_options, len(req.origin_input_ids), req.sampling_params.max_new_tokens, stores=sends)
         needed = CaptureHiddenMode.FULL if collector.needs_prompt_rows else CaptureHiddenMode.LAST
         req.return_hidden_states_mode = max(req.return_hidden_states_mode, needed)
         setattr(req, HS_ATTR, collector)
@@ -103,7 +104,11 @@ def update_finish_state_around(original: Callable, req: Any, *args: Any, **kwarg
     return result
 
 
-def _hidden_rows(result: Any) -> torch.Tensor | None:
+def _hidden_rows(batch: Any, result: Any) -> torch.Tensor | None:
+    """The batch's captured rows on the host, or None when no request of the batch asked for rows
+    (a server started with --enable-return-hidden-states captures rows for every batch)."""
+    if not batch.return_hidden_states:
+        return None
     if result.copy_done is not None:
         result.copy_done.synchronize()
     logits_output = result.logits_output
@@ -128,7 +133,7 @@ def _take(hidden: torch.Tensor, index: list[int]) -> torch.Tensor:
 
 def prefill_result_around(original: Callable, processor: Any, batch: Any, result: Any) -> Any:
     """AROUND process_batch_result_prefill: route prefill rows, then let sglang process the batch."""
-    hidden = _hidden_rows(result) if processor.is_generation and _rows_wanted(processor) else None
+    hidden = _hidden_rows(batch, result) if processor.is_generation and _rows_wanted(processor) else None
     if hidden is not None:
         mode = processor._get_prefill_hidden_capture_mode(batch, processor.server_args)
         builders, last_rows = [], []
@@ -140,12 +145,13 @@ def prefill_result_around(original: Callable, processor: Any, batch: Any, result
             if (req.finished() and req.inflight_middle_chunks <= 0) or req.is_retracted:
                 continue
             collector = getattr(req, HS_ATTR, None)
-            if collector is not None and not collector.done:
+            if collector is not None and not collector.done and collector.stores:
                 last_chunk = req.inflight_middle_chunks <= 0
+                end = len(req.origin_input_ids) + len(req.output_ids)  # > prompt after a retraction
                 if collector.needs_prompt_rows and mode.is_full():
-                    collector.add_prefill(_take(hidden, list(range(lo, hi))), last_chunk)
+                    collector.add_prefill(_take(hidden, list(range(lo, hi))), last_chunk, end)
                 elif last_chunk:
-                    collector.add_prefill(_take(hidden, [hi - 1]), True)
+                    collector.add_prefill(_take(hidden, [hi - 1]), True, end)
             state = getattr(req, STATE_ATTR, None)
             if state is None or state.done:
                 continue
@@ -161,14 +167,15 @@ def prefill_result_around(original: Callable, processor: Any, batch: Any, result
 
 def decode_result_around(original: Callable, processor: Any, batch: Any, result: Any) -> Any:
     """AROUND process_batch_result_decode: the row of each running request produced its token."""
-    hidden = _hidden_rows(result) if _rows_wanted(processor) else None
+    hidden = _hidden_rows(batch, result) if _rows_wanted(processor) else None
     if hidden is not None:
         stride = result.speculative_num_draft_tokens or 1
         builders, rows = [], []
         collectors, collector_rows = [], []
         for i, req in enumerate(batch.reqs):
             collector = getattr(req, HS_ATTR, None)
-            if collector is not None and not collector.done and not (req.finished() or req.is_retracted):
+            if (collector is not None and collector.stores and not collector.done
+                    and not (req.finished() or req.is_retracted)):
                 collectors.append((collector, len(req.origin_input_ids) + len(req.output_ids) - 1))
                 collector_rows.append(i * stride)
             state = getattr(req, STATE_ATTR, None)
@@ -212,7 +219,7 @@ def _finish_rows(reqs: list) -> None:
         if isinstance(state, toploc.FingerprintBuilder) and not state.done:
             finishing.append((state, req))
         collector = getattr(req, HS_ATTR, None)
-        if collector is not None and not collector.done and _sends_outputs():
+        if collector is not None and not collector.done and collector.stores:
             collectors.append((collector, req))
     toploc.finish_builders(finishing)
     hidden_states.finish_collectors(collectors)

@@ -304,11 +304,11 @@ def encode_rows(rows: torch.Tensor, positions: Sequence[int]) -> dict[str, Any]:
     pos = _check_positions(positions, rows.shape[0])
     wire = SUPPORTED_DTYPES[name][1]
     bits = rows.detach().to("cpu").contiguous().view(_BIT_VIEW[rows.dtype]).numpy()
-    raw = bits.astype(wire, copy=False).tobytes(order="C")
+    raw = np.ascontiguousarray(bits.astype(wire, copy=False))
     return {
         "dtype": name,
         "shape": [int(rows.shape[0]), int(rows.shape[1])],
-        "data": base64.b64encode(raw).decode("ascii"),
+        "data": base64.b64encode(raw.data).decode("ascii"),
         "positions": pos,
     }
 

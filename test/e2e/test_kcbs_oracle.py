@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from test_kcbs_common import (
+from kcbs_helpers import (
     CHAT_PROMPTS,
     assert_candidates_match,
     flush_cache,

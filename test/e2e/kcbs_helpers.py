@@ -1,4 +1,4 @@
-"""Shared plumbing of the k-CBS end-to-end tests (this module holds no tests).
+"""Shared plumbing of the k-CBS end-to-end tests (test_kcbs_*.py; this module holds no tests).
 
 - one real CPU server for all test_kcbs_*.py files (started once, in the background, so the HF
   reference can be computed while it boots; stopped at interpreter exit);
@@ -103,6 +103,18 @@ def _stop() -> None:
     future = _server.get("future")
     if future is not None and future.done() and future.exception() is None:
         future.result().stop()
+
+
+def release_shared_server() -> None:
+    """Stop the shared server now (the last k-CBS module is done) to free memory and CPU for the
+    rest of the suite; a later `server_future` starts a new one."""
+    with _lock:
+        future = _server.pop("future", None)
+    if future is not None:
+        try:
+            future.result().stop()
+        except Exception:  # noqa: BLE001 - a server that failed to start has nothing to stop
+            pass
 
 
 # ------------------------------------------------------------------------------------------

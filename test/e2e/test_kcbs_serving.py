@@ -7,7 +7,7 @@
   stream=true, kcbs_* fields without kcbs_enabled), on /generate (top level and inside
   sampling_params), /v1/completions and /v1/chat/completions, gets HTTP 400 naming the reason,
   while honest requests sent concurrently succeed and the server stays healthy;
-- KV pool: usage (see test_kcbs_common.pool: used = pool - free - evictable cache) returns to its
+- KV pool: usage (see kcbs_helpers.pool: used = pool - free - evictable cache) returns to its
   starting value after a burst of k-CBS requests, after a client disconnects from a running
   k-CBS request (timeout, connection closed), and after POST /abort_request; and the server
   stops working on an abandoned search.
@@ -21,7 +21,7 @@ import time
 import pytest
 import requests
 
-from test_kcbs_common import (
+from kcbs_helpers import (
     CHAT_PROMPTS,
     assert_candidates_match,
     flush_cache,
@@ -33,6 +33,7 @@ from test_kcbs_common import (
     pool,
     post,
     prompt_ids,
+    release_shared_server,
     server_log_tail,
     shared_server,
     stream_generate,
@@ -42,7 +43,10 @@ from test_kcbs_common import (
 
 @pytest.fixture(scope="module")
 def server(model_path):
-    return shared_server(model_path)
+    """The k-CBS server shared with test_kcbs_oracle.py; this module runs last, so it stops the
+    server when it is done (the rest of the e2e suite does not use it)."""
+    yield shared_server(model_path)
+    release_shared_server()
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,168 @@
+"""Rows of one request in shared-memory files: written where they are computed, read where they
+are delivered, never pickled in between.
+
+A writer (the scheduler) appends rows to a chain of files in a shared-memory directory (default
+`/dev/shm`, `SGLANG_RL_SHM_DIR` overrides). Each file's space is reserved with `posix_fallocate`
+when it is created, so a full tmpfs is an `OSError` at that point (the caller falls back to keeping
+rows in process memory) instead of a SIGBUS on a later write. Files grow by doubling, so a request
+holds at most twice the rows it produced. `handoff()` returns a small picklable handle;
+`read_rows(handle)` maps the files in another process of the same host, unlinks them and returns
+one tensor. Files that no reader claims (a client that went away) are unlinked by the writer after
+`STALE_AFTER_S`, and at interpreter exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import os
+import tempfile
+import time
+from collections import deque
+from typing import Any, Optional, Sequence
+
+import torch
+
+STALE_AFTER_S = 600.0
+FIRST_CAPACITY_ROWS = 256
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_NAMES = {v: k for k, v in _DTYPES.items()}
+_counter = itertools.count()
+_live: set[str] = set()
+_handed: deque[tuple[float, list[str]]] = deque()
+
+
+def shm_dir() -> str:
+    """Directory of the row files: a tmpfs where there is one."""
+    configured = os.environ.get("SGLANG_RL_SHM_DIR")
+    if configured:
+        return configured
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _reap(now: float) -> None:
+    """Unlink handed-off files that no reader claimed within STALE_AFTER_S."""
+    while _handed and now - _handed[0][0] > STALE_AFTER_S:
+        for path in _handed.popleft()[1]:
+            _unlink(path)
+
+
+@atexit.register
+def _unlink_all() -> None:
+    for path in list(_live):
+        _unlink(path)
+    while _handed:
+        for path in _handed.popleft()[1]:
+            _unlink(path)
+
+
+class RowSegments:
+    """Append-only rows `[n, H]` of one request with their token positions."""
+
+    def __init__(self, first_capacity: int = FIRST_CAPACITY_ROWS) -> None:
+        self._first_capacity = max(1, first_capacity)
+        self._files: list[tuple[str, torch.Tensor, int]] = []  # path, mapped view, rows used
+        self.positions: list[int] = []
+        self.dtype: Optional[torch.dtype] = None
+        self.hidden = 0
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+    def _new_file(self, min_rows: int) -> None:
+        last_capacity = self._files[-1][1].shape[0] if self._files else self._first_capacity // 2
+        capacity = max(min_rows, 2 * last_capacity)
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        path = os.path.join(shm_dir(), f"sglang-rl-rows-{os.getpid()}-{next(_counter)}")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        _live.add(path)
+        try:
+            os.posix_fallocate(fd, 0, capacity * self.hidden * itemsize)
+        except OSError:
+            os.close(fd)
+            _live.discard(path)
+            _unlink(path)
+            raise
+        os.close(fd)
+        view = torch.from_file(path, shared=True, size=capacity * self.hidden, dtype=self.dtype)
+        self._files.append((path, view.view(capacity, self.hidden), 0))
+
+    def append(self, rows: torch.Tensor, positions: Sequence[int]) -> None:
+        """Copy `rows` `[n, H]` (any device) into the files; raises OSError if space runs out."""
+        if rows.dim() == 1:
+            rows = rows.unsqueeze(0)
+        if self.dtype is None:
+            if rows.dtype not in _NAMES:
+                raise ValueError(f"unsupported row dtype {rows.dtype}")
+            self.dtype, self.hidden = rows.dtype, int(rows.shape[1])
+        done = 0
+        while done < rows.shape[0]:
+            if not self._files or self._files[-1][2] == self._files[-1][1].shape[0]:
+                self._new_file(rows.shape[0] - done)
+            path, view, used = self._files[-1]
+            n = min(view.shape[0] - used, rows.shape[0] - done)
+            view[used:used + n].copy_(rows[done:done + n])
+            self._files[-1] = (path, view, used + n)
+            done += n
+        self.positions.extend(positions)
+
+    def handoff(self) -> dict[str, Any]:
+        """Give the files up to a reader: returns the handle for `read_rows`."""
+        paths = [path for path, _, _ in self._files]
+        handle = {
+            "files": [[path, used] for path, _, used in self._files],
+            "dtype": _NAMES.get(self.dtype, "float32"),
+            "hidden": self.hidden,
+            "positions": list(self.positions),
+        }
+        self._files, self.positions = [], []
+        _live.difference_update(paths)
+        now = time.monotonic()
+        _reap(now)
+        if paths:
+            _handed.append((now, paths))
+        return handle
+
+    def discard(self) -> None:
+        """Free the files now (abort, or nothing to deliver)."""
+        for path, _, _ in self._files:
+            _live.discard(path)
+            _unlink(path)
+        self._files, self.positions = [], []
+
+
+def read_rows(handle: dict[str, Any]) -> tuple[torch.Tensor, list[int]]:
+    """Map the files of a handle (unlinking them) and return `(rows [n, H], positions)`.
+
+    One file is returned without a copy (the tensor keeps the mapping alive); several are
+    concatenated."""
+    dtype = _DTYPES[handle["dtype"]]
+    hidden = int(handle["hidden"])
+    parts = []
+    try:
+        for path, used in handle["files"]:
+            if used:
+                parts.append(
+                    torch.from_file(path, shared=True, size=used * hidden, dtype=dtype).view(used, hidden)
+                )
+    finally:
+        discard_handle(handle)
+    if not parts:
+        rows = torch.empty(0, hidden, dtype=dtype)
+    else:
+        rows = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return rows, list(handle["positions"])
+
+
+def discard_handle(handle: dict[str, Any]) -> None:
+    """Unlink the files of a handle without reading them."""
+    for path, _ in handle.get("files", ()):
+        _unlink(path)

@@ -1,0 +1,174 @@
+"""The scheduler-side k-CBS driver (`sglang_rl.adapters.kcbs`) on stand-in requests: children are
+read once and only for their own step (the overlap scheduler shows a finished prefill-only
+request again in the next decode batch's outputs), aborted beams and aborts of the parent end the
+search, and the k-CBS request validation messages."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH
+
+from sglang_rl.adapters import kcbs, transport
+from sglang_rl.request_options import RequestOptionError, validate_kcbs
+
+VOCAB = 16
+
+
+class FakeReq:
+    def __init__(self, rid, text, ids, sp, return_logprob=True, top_logprobs_num=0, stream=False,
+                 eos_token_ids=None, vocab_size=VOCAB):
+        self.rid = rid
+        self.origin_input_ids = list(ids)
+        self.sampling_params = sp
+        self.return_logprob = return_logprob
+        self.eos_token_ids = eos_token_ids or {15}
+        self.vocab_size = vocab_size
+        self.tokenizer = None
+        self.logprob = SimpleNamespace(output_top_logprobs_val=[], output_top_logprobs_idx=[])
+        self.finished_reason = None
+        self.finished_output = False
+        self.output_ids = []
+        self.finished_len = None
+        self.to_finish = None
+
+    def finished(self):
+        return self.finished_reason is not None
+
+    def finish_with(self, vals, ids):
+        self.logprob.output_top_logprobs_val.append(list(vals))
+        self.logprob.output_top_logprobs_idx.append(list(ids))
+        self.finished_reason = FINISH_LENGTH(length=0)
+
+
+class FakeScheduler:
+    def __init__(self):
+        self.waiting_queue = []
+        self.streamed = []
+        self.enable_hicache_storage = False
+        self.output_streamer = SimpleNamespace(stream_output=lambda reqs, lp: self.streamed.extend(reqs))
+
+    def init_req_max_new_tokens(self, req):
+        pass
+
+    def _add_request_to_queue(self, req):
+        self.waiting_queue.append(req)
+
+    def abort_request(self, recv_req):  # sglang's rule for queued requests: rid prefix
+        self.waiting_queue = [r for r in self.waiting_queue if not r.rid.startswith(recv_req.rid)]
+
+
+@pytest.fixture
+def sched(monkeypatch):
+    s = FakeScheduler()
+    monkeypatch.setattr(kcbs, "Req", FakeReq)
+    monkeypatch.setattr(kcbs, "_scheduler", s)
+    monkeypatch.setattr(kcbs, "_active", {})
+    return s
+
+
+def _parent(k=2, steps=3, rid="p1"):
+    sp = SimpleNamespace(max_new_tokens=0, stop_token_ids=None, custom_params={})
+    req = FakeReq(rid, "", [1, 2, 3], sp)
+    setattr(req, kcbs.PARENT_ATTR, kcbs.KcbsSearch(req, k, steps, False))
+    return req
+
+
+def _start(sched, parent):
+    parent.finish_with([-0.1, -2.5], [4, 5])
+    assert kcbs.filter_outputs([parent]) == []  # held back
+    return getattr(parent, kcbs.PARENT_ATTR)
+
+
+def _children(sched):
+    return [r for r in sched.waiting_queue if hasattr(r, kcbs.CHILD_ATTR)]
+
+
+def test_a_child_is_read_once_and_only_for_its_step(sched):
+    parent = _parent(k=2, steps=3)
+    search = _start(sched, parent)
+    first = _children(sched)
+    assert [c.origin_input_ids for c in first] == [[1, 2, 3, 4], [1, 2, 3, 5]]
+    sched.waiting_queue.clear()
+    for c in first:
+        c.finish_with([-0.2, -1.9], [6, 7])
+    assert kcbs.filter_outputs(first) == []
+    second = _children(sched)
+    assert search.step == 2 and len(second) == 2
+    # overlap: the step-1 children, merged into the running decode batch before their prefill
+    # results were processed, come back finished in that decode batch's outputs
+    assert kcbs.filter_outputs(first) == []
+    assert search.step == 2 and all(v is None for v in search.pending.values())
+    sched.waiting_queue.clear()
+    for c in second:
+        c.finish_with([-0.3, -1.5], [8, 9])
+    released = kcbs.filter_outputs(second + first)
+    assert released == [parent] and search.done and not kcbs._active
+    cands = getattr(parent, transport._PENDING_ATTR)[kcbs.CANDIDATES_FIELD]
+    assert [c["token_ids"] for c in cands] == [[4, 6, 8], [4, 6, 9]]
+    assert list(parent.output_ids) == [4, 6, 8]
+    assert kcbs.filter_outputs(second) == []  # late duplicates of a finished search: dropped
+
+
+def test_an_aborted_child_ends_the_search(sched):
+    parent = _parent(k=2, steps=5)
+    search = _start(sched, parent)
+    a, b = _children(sched)
+    sched.waiting_queue.remove(a)  # a was scheduled, b still waits
+    a.finished_reason = FINISH_ABORT("running timeout", 503)
+    released = kcbs.filter_outputs([a])
+    assert released == [parent]
+    assert isinstance(parent.finished_reason, FINISH_ABORT) and parent.finished_reason.status_code == 503
+    assert list(parent.output_ids) == [] and not getattr(parent, transport._PENDING_ATTR, None)
+    assert b not in sched.waiting_queue and search.done and not kcbs._active
+
+
+def test_abort_request_of_the_parent_ends_the_search(sched):
+    parent = _parent(k=2, steps=5, rid="abc")
+    other = _parent(k=2, steps=5, rid="xyz")
+    search = _start(sched, parent)
+    other_search = _start(sched, other)
+    a, b = [c for c in _children(sched) if c.rid.startswith("abc")]
+    sched.waiting_queue.remove(a)  # in a batch: marked to finish, freed by sglang when it does
+    kcbs.abort_request_around(FakeScheduler.abort_request, sched,
+                              SimpleNamespace(rid="abc", abort_all=False, abort_message=None))
+    assert sched.streamed == [parent] and isinstance(parent.finished_reason, FINISH_ABORT)
+    assert search.done and b not in sched.waiting_queue and isinstance(a.to_finish, FINISH_ABORT)
+    a.finish_with([-0.1, -0.2], [1, 2])
+    assert kcbs.filter_outputs([a]) == []  # its output is dropped
+    assert not other_search.done and len([c for c in sched.waiting_queue if c.rid.startswith("xyz")]) == 2
+    kcbs.abort_request_around(FakeScheduler.abort_request, sched,
+                              SimpleNamespace(rid="", abort_all=True, abort_message=None))
+    assert other_search.done and sched.streamed == [parent, other] and not kcbs._active
+
+
+def test_a_parent_aborted_before_its_prefill_returns_as_is(sched):
+    parent = _parent()
+    parent.finished_reason = FINISH_ABORT("Aborted")
+    assert kcbs.filter_outputs([parent]) == [parent] and not sched.waiting_queue
+
+
+def test_validation_messages():
+    with pytest.raises(RequestOptionError, match="kcbs_steps: set it, or set max_tokens / max_new_tokens"):
+        validate_kcbs({"kcbs_enabled": True, "kcbs_beam_width": 2}, {}, False, None)
+    with pytest.raises(RequestOptionError, match="kcbs_beam_width: set it, or set top_k"):
+        validate_kcbs({"kcbs_enabled": True}, {"max_new_tokens": 4}, False, None)
+    with pytest.raises(RequestOptionError, match="max_tokens / max_new_tokens .the default of kcbs_steps. must be"):
+        validate_kcbs({"kcbs_enabled": True, "kcbs_beam_width": 2}, {"max_new_tokens": "4"}, False, None)
+    with pytest.raises(RequestOptionError, match="streaming"):
+        validate_kcbs({"kcbs_enabled": True, "kcbs_beam_width": 2}, {"max_new_tokens": 4}, True, None)
+    entry = validate_kcbs({"kcbs_enabled": True}, {"max_new_tokens": 4, "top_k": 3}, False, None)
+    assert entry == {"kcbs_k": 3, "kcbs_steps": 4, "kcbs_keep_all": False}
+
+
+def test_generate_stream_is_refused_at_construction():
+    from sglang_rl.adapters.api import RLGenerateReqInput
+
+    with pytest.raises(RequestOptionError, match="streaming"):
+        RLGenerateReqInput(text="hi", stream=True, kcbs_enabled=True)
+    with pytest.raises(RequestOptionError, match="streaming"):
+        RLGenerateReqInput(text="hi", stream=True, sampling_params={"kcbs_enabled": True})
+    RLGenerateReqInput(text="hi", stream=True)
+    RLGenerateReqInput(text="hi", kcbs_enabled=True)

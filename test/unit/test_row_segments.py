@@ -1,0 +1,93 @@
+"""Shared-memory row files: rows written in one process come back bit-exact in another, files are
+unlinked once read or discarded, growth spans several files, and a full directory falls back."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from sglang_rl.hidden_states import HiddenStatesFormat, HiddenStatesMode, HiddenStatesOptions, HiddenStatesScope
+from sglang_rl.hidden_states import row_segments
+from sglang_rl.hidden_states.row_segments import RowSegments, read_rows
+
+
+@pytest.fixture
+def shm(tmp_path, monkeypatch):
+    monkeypatch.setenv("SGLANG_RL_SHM_DIR", str(tmp_path))
+    return tmp_path
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_rows_round_trip_across_growing_files(shm, dtype):
+    rows = torch.randn(37, 24).to(dtype)
+    seg = RowSegments(first_capacity=4)
+    seg.append(rows[:5], range(10, 15))  # a prefill block bigger than the first file
+    for i in range(5, 37):
+        seg.append(rows[i], [10 + i])  # decode rows, one at a time
+    assert len(os.listdir(shm)) >= 3
+    got, positions = read_rows(seg.handoff())
+    assert got.dtype == dtype and torch.equal(got, rows)
+    assert positions == list(range(10, 47))
+    assert os.listdir(shm) == []
+
+
+def test_reader_in_another_process(shm):
+    rows = torch.randn(9, 16, dtype=torch.bfloat16)
+    seg = RowSegments()
+    seg.append(rows, range(9))
+    handle = seg.handoff()
+    code = (
+        "import sys, torch; from sglang_rl.hidden_states.row_segments import read_rows; "
+        f"r, p = read_rows({handle!r}); torch.save((r.clone(), p), sys.argv[1])"
+    )
+    out = shm / "out.pt"
+    subprocess.run([sys.executable, "-c", code, str(out)], check=True)
+    got, positions = torch.load(out)
+    assert torch.equal(got, rows) and positions == list(range(9))
+    assert os.listdir(shm) == ["out.pt"]
+
+
+def test_discard_unlinks(shm):
+    seg = RowSegments(first_capacity=2)
+    seg.append(torch.ones(5, 8), range(5))
+    assert os.listdir(shm)
+    seg.discard()
+    assert os.listdir(shm) == []
+
+
+def test_stale_handed_files_are_reaped(shm, monkeypatch):
+    seg = RowSegments()
+    seg.append(torch.ones(2, 8), range(2))
+    seg.handoff()  # never read
+    first = os.listdir(shm)
+    assert len(first) == 1
+    monkeypatch.setattr(row_segments, "STALE_AFTER_S", -1.0)
+    other = RowSegments()
+    other.append(torch.ones(1, 8), [0])
+    handle = other.handoff()  # reaps the unclaimed first one
+    assert os.listdir(shm) == [os.path.basename(handle["files"][0][0])]
+    read_rows(handle)
+    assert os.listdir(shm) == []
+
+
+def test_collector_falls_back_to_memory_when_shared_memory_fails(shm, monkeypatch):
+    from sglang_rl.adapters.hidden_states import PAYLOAD_KEY, RowCollector, deliver
+
+    opts = HiddenStatesOptions(mode=HiddenStatesMode.FULL, format=HiddenStatesFormat.TENSOR,
+                               scope=HiddenStatesScope.ALL)
+    collector = RowCollector(opts, prompt_len=4, max_new_tokens=3)
+    collector.segments = RowSegments(first_capacity=4)  # the prompt fills the first file
+    rows = torch.randn(6, 8)
+    collector.add_prefill(rows[:4], last_chunk=True)
+    monkeypatch.setenv("SGLANG_RL_SHM_DIR", str(shm / "missing"))  # the next file cannot be made
+    collector.add_decode(rows[4], 4)
+    collector.add_decode(rows[5], 5)
+    assert collector.segments is None
+    out = deliver(collector.finish(output_len=3)[PAYLOAD_KEY])
+    assert out["hidden_states_positions"] == list(range(6))
+    assert torch.equal(out["hidden_states"][:4], rows[:4]) and torch.equal(out["hidden_states"][4:], rows[4:])
+    assert os.listdir(shm) == []
