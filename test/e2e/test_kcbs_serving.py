@@ -277,6 +277,21 @@ def _runaway(trace: list, since: float) -> int:
 LONG_SEARCH = 200  # steps of the abandoned searches (k=8): long enough to be mid-way when cut
 
 
+def _settle(server, base: int, timeout: float) -> tuple[bool, dict, int]:
+    """After an abort: wait up to `timeout` s for the KV pool to return to `base` (else let an
+    abandoned search run out, up to 240 s, and still require the pool back); returns whether it
+    came back in time, the last snapshot, and the prefill work done after the abort."""
+    settle_from = time.time()
+    reached, snap, trace = wait_idle(server.url, timeout=timeout, baseline=base)
+    work_after_abort = _runaway(trace, settle_from)
+    if not reached:
+        reached_late, snap, late_trace = wait_idle(server.url, timeout=240, baseline=base)
+        trace += late_trace
+        assert reached_late, f"KV usage never returned to {base}: {trace[-10:]}"
+    assert server.alive(), server_log_tail(server)
+    return reached, snap, work_after_abort
+
+
 def test_kv_and_work_after_client_disconnect(server, tok):
     """A client gives up on a running k-CBS request (read timeout: the connection is closed; the
     server notices within its 4 s disconnect poll and aborts the rid). Afterwards the pool
@@ -290,16 +305,8 @@ def test_kv_and_work_after_client_disconnect(server, tok):
         post(server.url, "/generate", body, timeout=3)
     # the scheduler has had 12 s to see the disconnect (4 s poll) and drop the search
     time.sleep(max(0.0, t0 + 12 - time.time()))
-    settle_from = time.time()
-    reached, snap, trace = wait_idle(server.url, timeout=15, baseline=base)
-    work_after_abort = _runaway(trace, settle_from)
-    if not reached:
-        # let an abandoned search run out, then still check that the pool comes back
-        reached_late, snap, late_trace = wait_idle(server.url, timeout=240, baseline=base)
-        trace += late_trace
-        assert reached_late, f"KV usage never returned to {base}: {trace[-10:]}"
+    reached, snap, work_after_abort = _settle(server, base, timeout=15)
     total = snap["total_prefill_uncached_tokens"] - start_work
-    assert server.alive(), server_log_tail(server)
     print(f"\n[kcbs-abort] disconnect: {total} prefill tokens in all, {work_after_abort} computed "
           f"more than 12 s after the client left; pool back to {snap['num_used_tokens']}", flush=True)
     assert reached and total < 8 * (LONG_SEARCH - 1), (
@@ -334,15 +341,8 @@ def test_kv_and_work_after_abort_request(server, tok):
     assert post(server.url, "/abort_request", {"rid": rid}, timeout=60).status_code == 200
     thread.join(20)
     ended = not thread.is_alive()
-    settle_from = time.time()
-    reached, snap, trace = wait_idle(server.url, timeout=10, baseline=base)
-    work_after_abort = _runaway(trace, settle_from)
-    if not reached:
-        reached_late, snap, late_trace = wait_idle(server.url, timeout=240, baseline=base)
-        trace += late_trace
-        assert reached_late, f"KV usage never returned to {base}: {trace[-10:]}"
+    reached, snap, work_after_abort = _settle(server, base, timeout=10)
     total = snap["total_prefill_uncached_tokens"] - start_work
-    assert server.alive(), server_log_tail(server)
     thread.join(30)
     print(f"\n[kcbs-abort] /abort_request: request ended within 20 s: {ended}; finally "
           f"{str(result)[:160]}; {work_after_abort} prefill tokens computed from 20 s after the "

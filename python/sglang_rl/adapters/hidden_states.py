@@ -105,7 +105,9 @@ class RowCollector:
         if not self.needs_prompt_rows:
             return None
         if self.options.scope is HiddenStatesScope.LAST_N:
-            return max(0, self.prompt_len - (self.options.last_n or 0))
+            # the last N available rows end at L - 1 when nothing is generated (max_new_tokens=0),
+            # later otherwise: recomputing from L - N - 1 covers every case
+            return max(0, self.prompt_len - (self.options.last_n or 0) - 1)
         return 0
 
     def add_prefill(self, rows: torch.Tensor, last_chunk: bool, end: Optional[int] = None) -> None:

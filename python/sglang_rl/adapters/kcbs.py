@@ -104,37 +104,66 @@ def _top_logprobs(req: Any) -> Optional[tuple[list[float], list[int]]]:
     return list(vals[-1]), list(idxs[-1])
 
 
-def _advance(search: KcbsSearch, tops: list[Optional[tuple[list[float], list[int]]]]) -> None:
-    """One k-CBS step over the current beams given each live beam's top-k (vals, ids)."""
-    vocab = search.parent.vocab_size or (max(i for t in tops if t for i in t[1]) + 1)
-    n = len(search.beams)
-    dense = torch.full((n, vocab), -math.inf, dtype=torch.float64)
-    for b, top in enumerate(tops):
-        if top is not None:
-            dense[b, torch.tensor(top[1])] = torch.tensor(top[0], dtype=torch.float64)
-    last = search.step + 1 >= search.steps
+Top = Optional[tuple[list[float], list[int]]]
+
+
+def _advance_all(ready: list[tuple[KcbsSearch, list[Top]]]) -> None:
+    """One k-CBS step over the beams of every search that is ready, in one `kcbs_step` call.
+
+    The step gets only what sglang returned: each live beam's top-k (log-prob, token id) pairs,
+    as a compact `[beams, width]` matrix whose columns are sorted by token id, so that
+    `kcbs_step`'s tie rule (lower token id first) holds exactly as over the full vocabulary;
+    columns are mapped back to token ids afterwards. Missing columns are -inf."""
+    if not ready:
+        return
+    width = max(s.k for s, _ in ready)
+    n = sum(len(s.beams) for s, _ in ready)
+    values = torch.full((n, width), -math.inf, dtype=torch.float64)
+    token_of = torch.full((n, width), -1, dtype=torch.long)
+    beam_request, score, raw, finished, last = [], [], [], [], []
+    row = 0
+    for r, (search, tops) in enumerate(ready):
+        for b, beam in enumerate(search.beams):
+            top = tops[b] if b < len(tops) else None
+            if top is not None and not beam.finished:
+                ids, order = torch.tensor(top[1][:width], dtype=torch.long).sort()
+                token_of[row, : ids.numel()] = ids
+                values[row, : ids.numel()] = torch.tensor(top[0][:width], dtype=torch.float64)[order]
+            beam_request.append(r)
+            score.append(beam.score)
+            raw.append(beam.raw)
+            finished.append(beam.finished)
+            row += 1
+        last.append(search.keep_all and search.step + 1 >= search.steps)
     sel = kcbs_step(
-        dense,
-        torch.zeros(n, dtype=torch.long),
-        torch.tensor([b.score for b in search.beams], dtype=torch.float64),
-        torch.tensor([b.raw for b in search.beams], dtype=torch.float64),
-        torch.tensor([b.finished for b in search.beams]),
-        torch.tensor([search.k]),
-        torch.tensor([search.keep_all and last]),
+        values,
+        torch.tensor(beam_request, dtype=torch.long),
+        torch.tensor(score, dtype=torch.float64),
+        torch.tensor(raw, dtype=torch.float64),
+        torch.tensor(finished),
+        torch.tensor([s.k for s, _ in ready]),
+        torch.tensor(last),
     )
-    eos = search.eos_ids()
-    new = []
-    for parent, token, score, raw, carried in zip(
-        sel.parent_beam.tolist(), sel.token.tolist(), sel.score.tolist(), sel.raw.tolist(), sel.finished.tolist()
-    ):
-        base = search.beams[parent]
-        if carried:
-            new.append(Beam(base.tokens, score, raw, True, base.reason))
-        else:
-            stop = token in eos
-            new.append(Beam(base.tokens + [token], score, raw, stop, "stop" if stop else "length"))
-    search.beams = new
-    search.step += 1
+    firsts = [0]
+    for search, _ in ready:
+        firsts.append(firsts[-1] + len(search.beams))
+    columns = sel.token.clamp(min=0)
+    tokens = token_of[sel.parent_beam, columns].tolist()
+    parents, scores, raws, carried = (sel.parent_beam.tolist(), sel.score.tolist(), sel.raw.tolist(),
+                                      sel.finished.tolist())
+    for r, (search, _) in enumerate(ready):
+        eos = search.eos_ids()
+        new = []
+        for i in range(*sel.rows(r).indices(len(sel))):
+            base = search.beams[parents[i] - firsts[r]]
+            if carried[i]:
+                new.append(Beam(base.tokens, scores[i], raws[i], True, base.reason))
+            else:
+                stop = tokens[i] in eos
+                new.append(Beam(base.tokens + [tokens[i]], scores[i], raws[i], stop,
+                                "stop" if stop else "length"))
+        search.beams = new
+        search.step += 1
 
 
 def _spawn_children(search: KcbsSearch, released: list) -> None:
@@ -264,6 +293,7 @@ def filter_outputs(reqs: list) -> list:
     released: list = []
     out = []
     touched: list[KcbsSearch] = []
+    ready: list[tuple[KcbsSearch, list[Top]]] = []
     for req in reqs:
         child = getattr(req, CHILD_ATTR, None)
         if child is not None:
@@ -300,15 +330,15 @@ def filter_outputs(reqs: list) -> list:
                     out.append(req)
                     continue
                 _active[req.rid] = search
-                _advance(search, [top])
-                _next(search, released)
+                ready.append((search, [top]))
             continue
         out.append(req)
     for search in dict.fromkeys(touched):
         if search.done or any(v is None for v in search.pending.values()):
             continue
-        tops = [search.pending.get(b) for b in range(len(search.beams))]
-        _advance(search, tops)
+        ready.append((search, [search.pending.get(b) for b in range(len(search.beams))]))
+    _advance_all(ready)
+    for search, _ in ready:
         _next(search, released)
     return out + released
 

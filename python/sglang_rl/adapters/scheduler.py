@@ -98,6 +98,8 @@ def update_finish_state_around(original: Callable, req: Any, *args: Any, **kwarg
     if (req.finished() and not collector.final_step_done
             and not isinstance(req.finished_reason, FINISH_ABORT) and req.output_ids):
         finished_len = req.finished_len if req.finished_len is not None else len(req.output_ids)
+        if finished_len == 0 or req.sampling_params.max_new_tokens == 0:
+            return result  # a prefill-only request generated nothing: no final token, no extra step
         collector.deferred = (req.finished_reason, finished_len)
         req.finished_reason = None
         req.finished_len = None

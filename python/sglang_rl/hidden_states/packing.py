@@ -29,6 +29,11 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
+try:  # SIMD base64 (a dependency of sglang): ~14x faster than the standard library on MB payloads
+    import pybase64 as _b64
+except ImportError:  # pragma: no cover - plain torch installs without sglang
+    _b64 = base64
+
 __all__ = [
     "HiddenStatesRequestError",
     "HiddenStatesMode",
@@ -308,7 +313,7 @@ def encode_rows(rows: torch.Tensor, positions: Sequence[int]) -> dict[str, Any]:
     return {
         "dtype": name,
         "shape": [int(rows.shape[0]), int(rows.shape[1])],
-        "data": base64.b64encode(raw.data).decode("ascii"),
+        "data": _b64.b64encode(raw.data).decode("ascii"),
         "positions": pos,
     }
 
@@ -339,7 +344,7 @@ def _decode_bits(obj: Mapping[str, Any]) -> tuple[np.ndarray, str, list[int]]:
     if not isinstance(data, (str, bytes)):
         raise ValueError(f"data must be a base64 string, got {type(data).__name__}")
     try:
-        raw = base64.b64decode(data, validate=True)
+        raw = _b64.b64decode(data, validate=True)
     except (binascii.Error, ValueError) as exc:
         raise ValueError(f"data is not valid base64: {exc}") from exc
     wire = np.dtype(SUPPORTED_DTYPES[name][1])

@@ -47,7 +47,6 @@ def _requests(long_prompt: str, short_prompt: str) -> list[tuple[str, str, int, 
 
 
 def _engine_main(out_path: str, model_path: str) -> None:
-    import asyncio
 
     import sglang as sgl
 
@@ -88,7 +87,9 @@ def _engine_main(out_path: str, model_path: str) -> None:
         keep("input_ids prompt", kw, out)
         kw = {"return_hidden_states": "last", "hidden_states_format": "tensor", "hidden_states_scope": "all",
               "return_final_hidden_state": True}
-        out = asyncio.run(engine.async_generate(prompt=SHORT_PROMPT,
+        # on the Engine's own loop: its tokenizer manager receives results there (asyncio.run would
+        # start a second loop that nothing answers)
+        out = engine.loop.run_until_complete(engine.async_generate(prompt=SHORT_PROMPT,
                                                 sampling_params={"max_new_tokens": 7, **greedy}, **ids, **kw))
         keep("async_generate", kw, out)
         errors = {}
