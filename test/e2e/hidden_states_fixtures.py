@@ -306,7 +306,7 @@ def expected_positions(prompt_len: int, output_len: int, mode: Any, scope: Optio
 
 def rows_of(fields: dict, fmt: Optional[str]) -> tuple[torch.Tensor, list[int]]:
     """Rows and positions from meta_info / an OpenAI choice / message, in the wire format."""
-    assert "hidden_states_error" not in fields, fields["hidden_states_error"]
+    assert not fields.get("hidden_states_error"), fields["hidden_states_error"]
     assert "hidden_states" in fields, f"no hidden_states in {sorted(fields)}"
     hs = fields["hidden_states"]
     if fmt == "base64":

@@ -173,7 +173,9 @@ def test_list_and_base64_are_identical_and_payload_sizes(hs_noradix_server, hf) 
 
 def test_prefill_only_request(hs_server, hf) -> None:
     """max_new_tokens=0 (a prefill-only request, e.g. rows of an existing prompt+response): answers
-    in time, and every available row (positions 0..L-2, see select_positions) is right."""
+    in time, and every row is right. The prefill fed every token, so the row of the last position
+    L-1 exists too and counts as the final row: positions 0..L-1, with or without
+    return_final_hidden_state."""
     url = hs_server.url
     prompt = "Prefill only: one two three four five six seven eight nine ten."
     generate(url, prompt, 2)  # cached
@@ -197,8 +199,7 @@ def test_prefill_only_request(hs_server, hf) -> None:
             problems.append(f"{what}: {meta['hidden_states_error']}")
             continue
         try:
-            # no token was generated, so there is no "last generated token" row to add
-            check_response(hf, meta, mode=mode, fmt=fmt, scope=scope, last_n=last_n, final=False, what=what)
+            check_response(hf, meta, mode=mode, fmt=fmt, scope=scope, last_n=last_n, final=True, what=what)
         except AssertionError as exc:
             problems.append(str(exc))
     assert not problems, "\n".join(problems)

@@ -156,6 +156,10 @@ class RowCollector:
     def finish(self, output_len: int) -> dict:
         """The delivery payload: wanted positions plus the rows (a file handle, or inline)."""
         self.done = True
+        if output_len == 0:
+            # a prefill-only request (max_new_tokens=0): the prefill fed every token, the last one
+            # included, so the row of position L-1 exists like a final row
+            self.has_final_row = True
         wanted = select_positions(self.prompt_len, output_len, self.options, self.has_final_row)
         payload = {"format": self.options.format.value, "wanted": wanted}
         if self.segments is not None:
