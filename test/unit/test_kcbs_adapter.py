@@ -237,3 +237,38 @@ def test_batched_compact_step_equals_dense_step_per_search(seed):
         want = [(old[p].tokens if f else old[p].tokens + [t], sc, r, f or (t in search.eos_ids()))
                 for p, t, sc, r, f in exp]
         assert got == want
+
+
+def test_a_beam_dropped_by_a_waiting_timeout_ends_its_search(sched, monkeypatch):
+    """AROUND _abort_on_waiting_timeout: sglang drops a queued beam request for waiting too long;
+    its search ends with 503, the other search keeps its beams."""
+    monkeypatch.setattr(kcbs.envs.SGLANG_REQ_WAITING_TIMEOUT, "get", lambda: 5.0)
+    parent, other = _parent(rid="late"), _parent(rid="fine")
+    search, other_search = _start(sched, parent), _start(sched, other)
+    late_beam = next(c for c in _children(sched) if c.rid.startswith("late"))
+
+    def drop_one(scheduler):
+        scheduler.waiting_queue.remove(late_beam)
+
+    kcbs.waiting_timeout_around(drop_one, sched)
+    assert search.done and parent.finished_reason.status_code == 503
+    assert "waiting timeout" in parent.finished_reason.message and sched.streamed == [parent]
+    assert not other_search.done and len([c for c in _children(sched) if c.rid.startswith("fine")]) == 2
+    assert not [c for c in _children(sched) if c.rid.startswith("late")]
+
+
+def test_a_beam_evicted_from_a_full_queue_ends_its_search(sched):
+    """AROUND _add_request_to_queue: with priority scheduling and a queue limit, adding a request
+    can evict a queued beam request; its search ends."""
+    sched.enable_priority_scheduling, sched.max_queued_requests = True, 2
+    parent = _parent(rid="evicted")
+    search = _start(sched, parent)
+    victim = _children(sched)[0]
+
+    def add_evicting(scheduler, req):
+        scheduler.waiting_queue.remove(victim)
+        scheduler.waiting_queue.append(req)
+
+    kcbs.add_request_to_queue_around(add_evicting, sched, FakeReq("new", "", [9], SimpleNamespace()))
+    assert search.done and "evicted" in parent.finished_reason.message
+    assert parent.finished_reason.status_code == 503

@@ -373,16 +373,21 @@ def abort_request_around(original: Callable, scheduler: Any, recv_req: Any, *arg
     return result
 
 
+def _watch_queue(original: Callable, scheduler: Any, args: tuple, kwargs: dict, message: str) -> Any:
+    """Run a scheduler method that may drop queued requests; end the searches of beams it drops."""
+    queued = _queued_beams(scheduler)
+    result = original(scheduler, *args, **kwargs)
+    _abort_orphans(scheduler, queued, message, HTTPStatus.SERVICE_UNAVAILABLE)
+    return result
+
+
 def waiting_timeout_around(original: Callable, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
     """AROUND Scheduler._abort_on_waiting_timeout: a beam request dropped from the waiting queue
     for waiting too long ends its search (only with SGLANG_REQ_WAITING_TIMEOUT set)."""
     if not _active or envs.SGLANG_REQ_WAITING_TIMEOUT.get() <= 0:
         return original(scheduler, *args, **kwargs)
-    queued = _queued_beams(scheduler)
-    result = original(scheduler, *args, **kwargs)
-    _abort_orphans(scheduler, queued, "k-CBS beam request aborted: waiting timeout reached",
-                   HTTPStatus.SERVICE_UNAVAILABLE)
-    return result
+    return _watch_queue(original, scheduler, args, kwargs,
+                        "k-CBS beam request aborted: waiting timeout reached")
 
 
 def add_request_to_queue_around(original: Callable, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
@@ -391,8 +396,5 @@ def add_request_to_queue_around(original: Callable, scheduler: Any, *args: Any, 
     if not (_active and getattr(scheduler, "enable_priority_scheduling", False)
             and getattr(scheduler, "max_queued_requests", None) is not None):
         return original(scheduler, *args, **kwargs)
-    queued = _queued_beams(scheduler)
-    result = original(scheduler, *args, **kwargs)
-    _abort_orphans(scheduler, queued, "k-CBS beam request aborted: evicted from a full queue",
-                   HTTPStatus.SERVICE_UNAVAILABLE)
-    return result
+    return _watch_queue(original, scheduler, args, kwargs,
+                        "k-CBS beam request aborted: evicted from a full queue")
