@@ -112,9 +112,7 @@ class RowCollector:
 
     def add_prefill(self, rows: torch.Tensor, last_chunk: bool, end: Optional[int] = None) -> None:
         """Rows of one prefill chunk; the chunks of a prefill end at position `end` (exclusive,
-        default the prompt length)."""
-        if not self.stores:
-            return
+        default the prompt length). Callers skip collectors that do not store (`stores`)."""
         self._prefill.append(rows)
         if last_chunk:
             block = torch.cat(self._prefill) if len(self._prefill) > 1 else self._prefill[0]
@@ -123,8 +121,7 @@ class RowCollector:
             self._add(block, range(end - block.shape[0], end))
 
     def add_decode(self, row: torch.Tensor, position: int) -> None:
-        if self.stores:
-            self._add(row.unsqueeze(0), [position])
+        self._add(row.unsqueeze(0), [position])
 
     def _add(self, block: torch.Tensor, positions: Any) -> None:
         if self.segments is not None:
