@@ -8,6 +8,7 @@ response fields of `meta_info`.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 from typing import Any, AsyncIterator, Callable, Optional
@@ -235,6 +236,15 @@ def _finish_meta(out: dict, obj: Any) -> None:
         obj.__dict__.setdefault(_RESULTS, {})[out.get("index", 0)] = fields
 
 
+def _encodes_rows(out: dict) -> bool:
+    """Whether finishing this output encodes hidden-state rows as base64."""
+    meta = out.get("meta_info")
+    if not isinstance(meta, dict):
+        return False
+    return any(isinstance(p, dict) and hs_adapter.encodes(p.get(hs_adapter.PAYLOAD_KEY))
+               for p in meta.get(transport.KEY) or ())
+
+
 def results_of(obj: Any) -> dict:
     """Response fields recorded per choice index for a request (read by the streaming adapter)."""
     return obj.__dict__.get(_RESULTS, {})
@@ -259,7 +269,14 @@ def generate_request_around(original: Callable, manager: Any, obj: Any, request:
         prepare_request(obj, manager.server_args, in_process=request is None)
         async for out in original(manager, obj, request):
             for item in out if isinstance(out, list) else [out]:
-                if isinstance(item, dict):
+                if not isinstance(item, dict):
+                    continue
+                if _encodes_rows(item):
+                    # base64 of megabytes of rows: in a worker thread (the SIMD encoder releases
+                    # the GIL), so requests finishing together encode in parallel and the event
+                    # loop keeps serving the others
+                    await asyncio.to_thread(_finish_meta, item, obj)
+                else:
                     _finish_meta(item, obj)
             yield out
 

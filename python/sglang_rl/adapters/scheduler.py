@@ -123,8 +123,10 @@ def _rows_wanted(processor: Any) -> bool:
     return bool(getattr(args, "toploc_verification", False) or args.return_hidden_states_mode)
 
 
-def _take(hidden: torch.Tensor, index: list[int]) -> torch.Tensor:
+def _take(hidden: torch.Tensor, index: list[int] | range) -> torch.Tensor:
     """Rows of the batch at the given indices, on the CPU (one gather, one host copy)."""
+    if isinstance(index, range):
+        return hidden[index.start:index.stop].to("cpu")  # a run of rows: a view on the host
     if index == list(range(hidden.shape[0])):
         return hidden.to("cpu")
     idx = torch.tensor(index, dtype=torch.long)
@@ -151,14 +153,14 @@ def prefill_result_around(original: Callable, processor: Any, batch: Any, result
                 last_chunk = req.inflight_middle_chunks <= 0
                 end = len(req.origin_input_ids) + len(req.output_ids)  # > prompt after a retraction
                 if collector.needs_prompt_rows and mode.is_full():
-                    collector.add_prefill(_take(hidden, list(range(lo, hi))), last_chunk, end)
+                    collector.add_prefill(_take(hidden, range(lo, hi)), last_chunk, end)
                 elif last_chunk:
                     collector.add_prefill(_take(hidden, [hi - 1]), True, end)
             state = getattr(req, STATE_ATTR, None)
             if state is None or state.done:
                 continue
             if isinstance(state, toploc.PrefillVerification):
-                state.add_rows(_take(hidden, list(range(lo, hi))))
+                state.add_rows(_take(hidden, range(lo, hi)))
             elif isinstance(state, toploc.FingerprintBuilder) and req.inflight_middle_chunks <= 0:
                 builders.append(state)
                 last_rows.append(hi - 1)
@@ -188,9 +190,7 @@ def decode_result_around(original: Callable, processor: Any, batch: Any, result:
         if builders:
             toploc.add_builder_rows(builders, _take(hidden, rows), _topk())
         if collectors:
-            taken = _take(hidden, collector_rows)
-            for (collector, position), row in zip(collectors, taken):
-                collector.add_decode(row, position)
+            hidden_states.add_decode_rows(collectors, _take(hidden, collector_rows))
     return original(processor, batch, result)
 
 
