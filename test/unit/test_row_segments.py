@@ -91,3 +91,40 @@ def test_collector_falls_back_to_memory_when_shared_memory_fails(shm, monkeypatc
     assert out["hidden_states_positions"] == list(range(6))
     assert torch.equal(out["hidden_states"][:4], rows[:4]) and torch.equal(out["hidden_states"][4:], rows[4:])
     assert os.listdir(shm) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_decode_steps_for_mixed_collectors(shm, monkeypatch, dtype):
+    """`add_decode_rows` (the scheduler's per-step path) gives each collector its own row: FULL
+    collectors through their files, LAST ones in memory; a file that cannot be made mid-run
+    moves that collector to memory without losing rows."""
+    from sglang_rl.adapters.hidden_states import PAYLOAD_KEY, RowCollector, add_decode_rows, deliver
+
+    full = HiddenStatesOptions(mode=HiddenStatesMode.FULL, format=HiddenStatesFormat.TENSOR,
+                               scope=HiddenStatesScope.ALL)
+    last = HiddenStatesOptions(mode=HiddenStatesMode.LAST, format=HiddenStatesFormat.TENSOR)
+    prompt_len, steps, hidden = 3, 9, 16
+    a = RowCollector(full, prompt_len, max_new_tokens=steps)
+    b = RowCollector(last, prompt_len, max_new_tokens=steps)
+    c = RowCollector(full, prompt_len, max_new_tokens=steps)
+    c.segments = RowSegments(first_capacity=2)  # files of 3 then 6 rows: a third is needed at step 6
+    prompts = {id(x): torch.randn(prompt_len, hidden).to(dtype) for x in (a, c)}
+    for x in (a, c):
+        x.add_prefill(prompts[id(x)], last_chunk=True)
+    step_rows = torch.randn(steps, 3, hidden).to(dtype)
+    for s in range(steps):
+        if s == 3:
+            monkeypatch.setenv("SGLANG_RL_SHM_DIR", str(shm / "missing"))  # no new file from here
+        add_decode_rows([(a, prompt_len + s), (b, prompt_len + s), (c, prompt_len + s)], step_rows[s])
+    assert c.segments is None and a.segments is not None
+    monkeypatch.setenv("SGLANG_RL_SHM_DIR", str(shm))
+    out_a = deliver(a.finish(output_len=steps + 1)[PAYLOAD_KEY])
+    out_b = deliver(b.finish(output_len=steps + 1)[PAYLOAD_KEY])
+    out_c = deliver(c.finish(output_len=steps + 1)[PAYLOAD_KEY])
+    positions = list(range(prompt_len + steps))
+    assert out_a["hidden_states_positions"] == positions == out_c["hidden_states_positions"]
+    assert torch.equal(out_a["hidden_states"], torch.cat([prompts[id(a)], step_rows[:, 0]]))
+    assert torch.equal(out_c["hidden_states"], torch.cat([prompts[id(c)], step_rows[:, 2]]))
+    assert out_b["hidden_states_positions"] == [prompt_len + steps - 1]
+    assert torch.equal(out_b["hidden_states"], step_rows[-1, 1:2])
+    assert os.listdir(shm) == []
