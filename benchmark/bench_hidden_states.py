@@ -65,7 +65,7 @@ def rows_of(meta: dict):
 def run_group(args: argparse.Namespace, group: str) -> list[dict]:
     import sglang as sgl
 
-    names = ["plain"] if group == "plain" else [m for m in MODES if m != "plain"]
+    names = ["plain"] if group == "plain" else [m for m in MODES if m != "plain" and m in args.modes]
     extra = {} if group == "plain" else {"enable_return_hidden_states": True}
     llm = sgl.Engine(**engine_kwargs(args.model_path, args.dummy, not args.cpu, **extra))
     rows = []
@@ -74,9 +74,10 @@ def run_group(args: argparse.Namespace, group: str) -> list[dict]:
         n, lin, lout = (int(x) for x in shape.split("x"))
         prompts = random_prompts(n, lin, seed=lin)
         sp = {"max_new_tokens": lout, "temperature": 0, "ignore_eos": True}
-        # one untimed run of the full shape first: the first batch of a shape pays kernel JIT and
-        # autotuning (seen as a 10-15% penalty on whichever mode ran first, v3 in docs/results/)
-        llm.generate(input_ids=prompts, sampling_params=sp)
+        # one untimed run of the full shape first, as the first mode: the first batch of a shape
+        # pays kernel JIT and autotuning (a 10-35% penalty on whichever mode ran first, v3 and v4
+        # in docs/results/)
+        llm.generate(input_ids=prompts, sampling_params=sp, **(MODES[names[0]] or {}))
         outs = None
         for name in names:
             kw = MODES[name] or {}
@@ -113,6 +114,8 @@ def main() -> None:
     p.add_argument("--cpu", action="store_true")
     p.add_argument("--shapes", nargs="+", default=["64x128x128", "64x512x512"],
                    help="requests x prompt tokens x output tokens")
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES), metavar="MODE",
+                   help="modes to time besides plain (default: all)")
     p.add_argument("--group", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.model_path is None:

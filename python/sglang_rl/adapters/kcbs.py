@@ -66,15 +66,19 @@ class KcbsSearch:
         self.started = False
         self.done = False
         self.aborted = False
+        self._eos: Optional[set[int]] = None
 
     def eos_ids(self) -> set[int]:
-        p = self.parent
-        ids = set(p.eos_token_ids or ())
-        ids |= set(p.sampling_params.stop_token_ids or ())
-        tok = getattr(p, "tokenizer", None)
-        if tok is not None and getattr(tok, "eos_token_id", None) is not None:
-            ids.add(tok.eos_token_id)
-        return ids
+        """The tokens that end a beam (computed once per search)."""
+        if self._eos is None:
+            p = self.parent
+            ids = set(p.eos_token_ids or ())
+            ids |= set(p.sampling_params.stop_token_ids or ())
+            tok = getattr(p, "tokenizer", None)
+            if tok is not None and getattr(tok, "eos_token_id", None) is not None:
+                ids.add(tok.eos_token_id)
+            self._eos = ids
+        return self._eos
 
 
 # Searches between their first step and their end, by parent rid (for aborts).
@@ -105,6 +109,7 @@ def _top_logprobs(req: Any) -> Optional[tuple[list[float], list[int]]]:
 
 
 Top = Optional[tuple[list[float], list[int]]]
+_NO_TOKEN = 2**62  # column padding of `_advance_all`: sorts after every real token id
 
 
 def _advance_all(ready: list[tuple[KcbsSearch, list[Top]]]) -> None:
@@ -117,24 +122,26 @@ def _advance_all(ready: list[tuple[KcbsSearch, list[Top]]]) -> None:
     if not ready:
         return
     width = max(s.k for s, _ in ready)
-    n = sum(len(s.beams) for s, _ in ready)
-    values = torch.full((n, width), -math.inf, dtype=torch.float64)
-    token_of = torch.full((n, width), -1, dtype=torch.long)
+    ids_rows: list[list[int]] = []
+    val_rows: list[list[float]] = []
     beam_request, score, raw, finished, last = [], [], [], [], []
-    row = 0
     for r, (search, tops) in enumerate(ready):
         for b, beam in enumerate(search.beams):
-            top = tops[b] if b < len(tops) else None
-            if top is not None and not beam.finished:
-                ids, order = torch.tensor(top[1][:width], dtype=torch.long).sort()
-                token_of[row, : ids.numel()] = ids
-                values[row, : ids.numel()] = torch.tensor(top[0][:width], dtype=torch.float64)[order]
+            top = tops[b] if b < len(tops) and not beam.finished else None
+            ids = list(top[1][:width]) if top is not None else []
+            vals = list(top[0][:width]) if top is not None else []
+            pad = width - len(ids)
+            ids_rows.append(ids + [_NO_TOKEN] * pad)
+            val_rows.append(vals + [-math.inf] * pad)
             beam_request.append(r)
             score.append(beam.score)
             raw.append(beam.raw)
             finished.append(beam.finished)
-            row += 1
         last.append(search.keep_all and search.step + 1 >= search.steps)
+    # one sort of every row by token id (padding sorts last)
+    token_of, order = torch.tensor(ids_rows, dtype=torch.long).sort(dim=1)
+    values = torch.tensor(val_rows, dtype=torch.float64).gather(1, order)
+    token_of[token_of == _NO_TOKEN] = -1
     sel = kcbs_step(
         values,
         torch.tensor(beam_request, dtype=torch.long),
@@ -151,10 +158,11 @@ def _advance_all(ready: list[tuple[KcbsSearch, list[Top]]]) -> None:
     tokens = token_of[sel.parent_beam, columns].tolist()
     parents, scores, raws, carried = (sel.parent_beam.tolist(), sel.score.tolist(), sel.raw.tolist(),
                                       sel.finished.tolist())
+    n_sel = len(sel)
     for r, (search, _) in enumerate(ready):
         eos = search.eos_ids()
         new = []
-        for i in range(*sel.rows(r).indices(len(sel))):
+        for i in range(*sel.rows(r).indices(n_sel)):
             base = search.beams[parents[i] - firsts[r]]
             if carried[i]:
                 new.append(Beam(base.tokens, scores[i], raws[i], True, base.reason))
