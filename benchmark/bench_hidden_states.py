@@ -15,7 +15,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import engine_kwargs, print_table, random_prompts, run_in_subprocesses  # noqa: E402
+from common import (  # noqa: E402
+    engine_kwargs, model_parser, parse_with_model, print_table, random_prompts, run_in_subprocesses,
+)
 
 # mode -> extra generate() arguments (None: the plain baseline Engine, flag off)
 MODES = {
@@ -108,20 +110,13 @@ def run_group(args: argparse.Namespace, group: str) -> list[dict]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-path")
-    p.add_argument("--dummy", action="store_true")
-    p.add_argument("--cpu", action="store_true")
+    p = model_parser(__doc__)
     p.add_argument("--shapes", nargs="+", default=["64x128x128", "64x512x512"],
                    help="requests x prompt tokens x output tokens")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES), metavar="MODE",
                    help="modes to time besides plain (default: all)")
     p.add_argument("--group", help=argparse.SUPPRESS)
-    args = p.parse_args()
-    if args.model_path is None:
-        from sglang_rl.default_model import ensure_default_model
-
-        args.model_path = str(ensure_default_model())
+    args = parse_with_model(p)
     if args.group:
         print("RESULT " + json.dumps(run_group(args, args.group)), flush=True)
         return

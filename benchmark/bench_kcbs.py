@@ -21,7 +21,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import engine_kwargs, print_table, random_prompts, run_in_subprocesses  # noqa: E402
+from common import (  # noqa: E402
+    engine_kwargs, model_parser, parse_with_model, print_table, random_prompts, run_in_subprocesses,
+)
 
 
 def reprefill_search(llm, prompts: list[list[int]], k: int, steps: int) -> list:
@@ -98,20 +100,13 @@ def run(args: argparse.Namespace, mode: str) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-path")
-    p.add_argument("--dummy", action="store_true")
-    p.add_argument("--cpu", action="store_true")
+    p = model_parser(__doc__)
     p.add_argument("--num", type=int, default=32)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--mode", help=argparse.SUPPRESS)
-    args = p.parse_args()
-    if args.model_path is None:
-        from sglang_rl.default_model import ensure_default_model
-
-        args.model_path = str(ensure_default_model())
+    args = parse_with_model(p)
     if args.mode:
         print("RESULT " + json.dumps(run(args, args.mode)), flush=True)
         return

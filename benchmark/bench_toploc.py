@@ -16,7 +16,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import engine_kwargs, print_table, random_prompts, run_in_subprocesses  # noqa: E402
+from common import (  # noqa: E402
+    engine_kwargs, model_parser, parse_with_model, print_table, random_prompts, run_in_subprocesses,
+)
 
 
 def run_mode(args: argparse.Namespace, mode: str) -> dict:
@@ -81,10 +83,7 @@ def replays(llm, args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-path")
-    p.add_argument("--dummy", action="store_true", help="random weights from config.json (--load-format dummy)")
-    p.add_argument("--cpu", action="store_true")
+    p = model_parser(__doc__)
     p.add_argument("--num", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
@@ -93,11 +92,7 @@ def main() -> None:
     p.add_argument("--replay-total", type=int, default=200)
     p.add_argument("--modes", default="off,on")
     p.add_argument("--one-mode", help=argparse.SUPPRESS)
-    args = p.parse_args()
-    if args.model_path is None:
-        from sglang_rl.default_model import ensure_default_model
-
-        args.model_path = str(ensure_default_model())
+    args = parse_with_model(p)
     if args.one_mode:
         print("RESULT " + json.dumps(run_mode(args, args.one_mode)), flush=True)
         return

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
@@ -35,6 +36,25 @@ def make_dummy_8b(target: Path, tokenizer_dir: Path) -> Path:
         if src.exists():
             (target / name).write_bytes(src.read_bytes())
     return target
+
+
+def model_parser(doc: str) -> argparse.ArgumentParser:
+    """The options every benchmark takes: which model, random weights, CPU instead of GPU."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-path", help="model folder (default: the converted SmolLM2)")
+    p.add_argument("--dummy", action="store_true", help="random weights from config.json (--load-format dummy)")
+    p.add_argument("--cpu", action="store_true")
+    return p
+
+
+def parse_with_model(p: argparse.ArgumentParser) -> argparse.Namespace:
+    """Parse the arguments; without --model-path, use (and if needed convert) the default model."""
+    args = p.parse_args()
+    if args.model_path is None:
+        from sglang_rl.default_model import ensure_default_model
+
+        args.model_path = str(ensure_default_model())
+    return args
 
 
 def random_prompts(n: int, length: int, seed: int = 0, low: int = 100, high: int = 49000) -> list[list[int]]:

@@ -46,30 +46,25 @@ RESPONSE_FIELDS = (
 )
 
 
-@dataclasses.dataclass
-class RLGenerateReqInput(GenerateReqInput):
-    """GenerateReqInput with the sglang-rl fields, so `/generate` accepts them at top level
-    (typed loosely: our validation, not pydantic's coercion, judges the values)."""
+def _refuse_streamed_kcbs(self: GenerateReqInput) -> None:
+    # /generate with stream=true answers from inside its streaming response, so a ValueError
+    # raised later (in generate_request) would reach the client as an SSE error event after
+    # a 200; refusing here makes it a 400 like every other bad field.
+    if self.stream is True and _kcbs_requested(self):
+        raise RequestOptionError(KCBS_STREAM_ERROR)
 
-    toploc_verification_fingerprint_to_validate: Optional[Any] = None
-    toploc_verification_expect_greedy: Optional[Any] = None
-    return_input_ids: Optional[Any] = None
-    return_output_ids: Optional[Any] = None
-    hidden_states_format: Optional[Any] = None
-    hidden_states_scope: Optional[Any] = None
-    hidden_states_last_n: Optional[Any] = None
-    return_final_hidden_state: Optional[Any] = None
-    kcbs_enabled: Optional[Any] = None
-    kcbs_beam_width: Optional[Any] = None
-    kcbs_final_prune: Optional[Any] = None
-    kcbs_steps: Optional[Any] = None
 
-    def __post_init__(self) -> None:
-        # /generate with stream=true answers from inside its streaming response, so a ValueError
-        # raised later (in generate_request) would reach the client as an SSE error event after
-        # a 200; refusing here makes it a 400 like every other bad field.
-        if self.stream is True and _kcbs_requested(self):
-            raise RequestOptionError(KCBS_STREAM_ERROR)
+RLGenerateReqInput = dataclasses.make_dataclass(
+    "RLGenerateReqInput",
+    [(name, Optional[Any], dataclasses.field(default=None)) for name in ALL_FIELDS],
+    bases=(GenerateReqInput,),
+    namespace={
+        "__module__": __name__,
+        "__doc__": "GenerateReqInput with the sglang-rl fields (`ALL_FIELDS`), so `/generate` accepts "
+                   "them at top level (typed loosely: our validation, not coercion, judges the values).",
+        "__post_init__": _refuse_streamed_kcbs,
+    },
+)
 
 
 def _kcbs_requested(obj: Any) -> bool:

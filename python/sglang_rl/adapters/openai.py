@@ -12,7 +12,7 @@ import json
 from typing import Any, AsyncIterator, Callable, Optional
 
 from fastapi.responses import ORJSONResponse
-from pydantic import BaseModel, field_validator
+from pydantic import create_model, field_validator
 
 from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -25,21 +25,9 @@ from sglang_rl.request_options import (
 )
 
 
-class _RLFields(BaseModel):
-    """The sglang-rl request fields shared by the chat and completions request models."""
-
-    toploc_verification_fingerprint_to_validate: Optional[Any] = None
-    toploc_verification_expect_greedy: Optional[Any] = None
-    return_input_ids: Optional[Any] = None
-    return_output_ids: Optional[Any] = None
-    hidden_states_format: Optional[Any] = None
-    hidden_states_scope: Optional[Any] = None
-    hidden_states_last_n: Optional[Any] = None
-    return_final_hidden_state: Optional[Any] = None
-    kcbs_enabled: Optional[Any] = None
-    kcbs_beam_width: Optional[Any] = None
-    kcbs_final_prune: Optional[Any] = None
-    kcbs_steps: Optional[Any] = None
+# The sglang-rl request fields shared by the chat and completions request models (typed loosely
+# so that our own validation, not pydantic, words the 400).
+_RLFields = create_model("_RLFields", **{name: (Optional[Any], None) for name in ALL_FIELDS})
 
 
 class RLChatCompletionRequest(ChatCompletionRequest, _RLFields):
