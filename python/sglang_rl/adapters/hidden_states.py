@@ -19,7 +19,7 @@ own KV cache, the extra sampled token is cut by sglang's finished_len.
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -35,7 +35,8 @@ from sglang_rl.hidden_states import (
     rows_to_list,
     select_positions,
 )
-from sglang_rl.hidden_states.row_segments import RowSegments, host_bits, read_rows, shm_dir
+from sglang_rl.hidden_states.packing import host_view
+from sglang_rl.hidden_states.row_segments import RowSegments, read_rows, shm_dir
 
 logger = logging.getLogger(__name__)
 
@@ -125,16 +126,24 @@ class RowCollector:
         self._add(row.unsqueeze(0), [position])
 
     def _add(self, block: torch.Tensor, positions: Any) -> None:
-        if self.segments is not None:
-            try:
-                self.segments.append(block, positions)
-                return
-            except OSError as exc:
-                _warn_shm_full(exc)
-                self._to_memory()
+        if self._to_files(lambda segments: segments.append(block, positions)):
+            return
         self.rows.extend(block)
         self.positions.extend(positions)
         self._trim()
+
+    def _to_files(self, store: Callable[[RowSegments], None]) -> bool:
+        """Run `store` on this request's files. False if it has none, or if shared memory just
+        ran out (its rows then move to process memory, where the caller keeps the new ones)."""
+        if self.segments is None:
+            return False
+        try:
+            store(self.segments)
+            return True
+        except OSError as exc:
+            _warn_shm_full(exc)
+            self._to_memory()
+            return False
 
     def _to_memory(self) -> None:
         """Shared memory ran out: keep this request's rows in process memory from now on."""
@@ -181,22 +190,16 @@ class RowCollector:
 def add_decode_rows(items: list[tuple[RowCollector, int]], rows: torch.Tensor) -> None:
     """One decode step: row i of `rows` (host) at position `items[i][1]` for collector `items[i][0]`.
 
-    Collectors with files get their row as one numpy copy from a single integer view of the whole
+    Collectors with files get their row as one numpy copy from a single host view of the whole
     step (a tensor op per request and row cost ~25 us, i.e. ~10% of a 64-request 8B decode step);
     in-memory collectors (LAST, last_n) keep a tensor row."""
-    bits = None
+    view = None
     for i, (collector, position) in enumerate(items):
-        segments = collector.segments
-        if segments is not None:
-            if bits is None:
-                bits = host_bits(rows)
-            try:
-                segments.expect(rows.dtype, rows.shape[-1])
-                segments.append_bits(bits[i], (position,))
+        if collector.segments is not None:
+            if view is None:
+                view = host_view(rows)
+            if collector._to_files(lambda segments: segments.append_host(view[i], (position,), rows.dtype)):
                 continue
-            except OSError as exc:
-                _warn_shm_full(exc)
-                collector._to_memory()
         collector.add_decode(rows[i], position)
 
 

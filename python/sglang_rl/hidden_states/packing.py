@@ -280,6 +280,12 @@ _BIT_VIEW = {
 }
 
 
+def host_view(rows: torch.Tensor) -> np.ndarray:
+    """Rows as a host numpy array holding the same bytes (bfloat16, which numpy lacks, as int16):
+    a view when the rows are already on the host and contiguous."""
+    return rows.detach().to("cpu").contiguous().view(_BIT_VIEW[rows.dtype]).numpy()
+
+
 def _check_positions(positions: Sequence[int], n_rows: int) -> list[int]:
     """Validate that positions are non-negative ints, one per row."""
     out = []
@@ -308,8 +314,7 @@ def encode_rows(rows: torch.Tensor, positions: Sequence[int]) -> dict[str, Any]:
         )
     pos = _check_positions(positions, rows.shape[0])
     wire = SUPPORTED_DTYPES[name][1]
-    bits = rows.detach().to("cpu").contiguous().view(_BIT_VIEW[rows.dtype]).numpy()
-    raw = np.ascontiguousarray(bits.astype(wire, copy=False))
+    raw = np.ascontiguousarray(host_view(rows).astype(wire, copy=False))
     return {
         "dtype": name,
         "shape": [int(rows.shape[0]), int(rows.shape[1])],

@@ -25,13 +25,13 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
+from sglang_rl.hidden_states.packing import host_view
+
 STALE_AFTER_S = 600.0
 FIRST_CAPACITY_ROWS = 256
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _NAMES = {v: k for k, v in _DTYPES.items()}
-_BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
-_NP_BITS = {torch.bfloat16: np.int16, torch.float16: np.int16, torch.float32: np.int32}
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 _counter = itertools.count()
 _live: set[str] = set()
@@ -69,18 +69,12 @@ def _unlink_all() -> None:
             _unlink(path)
 
 
-def host_bits(rows: torch.Tensor) -> np.ndarray:
-    """Rows as a host numpy array of same-width integers (numpy has no bfloat16): a view when
-    the rows are already on the host and contiguous."""
-    return rows.detach().to("cpu").contiguous().view(_BITS[rows.dtype]).numpy()
-
-
 class RowSegments:
     """Append-only rows `[n, H]` of one request with their token positions."""
 
     def __init__(self, first_capacity: int = FIRST_CAPACITY_ROWS) -> None:
         self._first_capacity = max(1, first_capacity)
-        self._files: list[list] = []  # [path, mapped rows as integer bits [capacity, H], rows used]
+        self._files: list[list] = []  # [path, mapped rows as host_view [capacity, H], rows used]
         self.positions: list[int] = []
         self.dtype: Optional[torch.dtype] = None
         self.hidden = 0
@@ -91,11 +85,11 @@ class RowSegments:
     def _new_file(self, min_rows: int) -> None:
         last_capacity = self._files[-1][1].shape[0] if self._files else self._first_capacity // 2
         capacity = max(min_rows, 2 * last_capacity)
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        np_dtype = host_view(torch.empty(0, dtype=self.dtype)).dtype
         path = os.path.join(shm_dir(), f"sglang-rl-rows-{os.getpid()}-{next(_counter)}")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         _live.add(path)
-        size = capacity * self.hidden * itemsize
+        size = capacity * self.hidden * np_dtype.itemsize
         try:
             os.posix_fallocate(fd, 0, size)
             # MAP_POPULATE maps every page now, in one call, instead of one fault per page on the
@@ -107,45 +101,36 @@ class RowSegments:
             raise
         finally:
             os.close(fd)
-        bits = np.frombuffer(mapped, dtype=_NP_BITS[self.dtype]).reshape(capacity, self.hidden)
-        self._files.append([path, bits, 0])
-
-    def _set_dtype(self, rows: torch.Tensor) -> None:
-        if rows.dtype not in _NAMES:
-            raise ValueError(f"unsupported row dtype {rows.dtype}")
-        self.dtype, self.hidden = rows.dtype, int(rows.shape[-1])
+        view = np.frombuffer(mapped, dtype=np_dtype).reshape(capacity, self.hidden)
+        self._files.append([path, view, 0])
 
     def append(self, rows: torch.Tensor, positions: Sequence[int]) -> None:
         """Copy `rows` `[n, H]` (any device) into the files; raises OSError if space runs out."""
         if rows.dim() == 1:
             rows = rows.unsqueeze(0)
-        if self.dtype is None:
-            self._set_dtype(rows)
-        self.append_bits(host_bits(rows.to(self.dtype)), positions)
+        rows = rows.to(self.dtype or rows.dtype)
+        self.append_host(host_view(rows), positions, rows.dtype)
 
-    def append_bits(self, bits: np.ndarray, positions: Sequence[int]) -> None:
-        """`append` for rows already viewed as host integers of the rows' width (`host_bits`):
-        the decode path converts a whole step once and hands each request its row, so a row
-        costs one numpy copy and no tensor ops. Needs the dtype set by an earlier `append` or
-        `expect`."""
-        if bits.ndim == 1:
-            bits = bits.reshape(1, -1)
-        done, n_rows = 0, bits.shape[0]
+    def append_host(self, view: np.ndarray, positions: Sequence[int], dtype: torch.dtype) -> None:
+        """`append` for rows already on the host as `host_view(rows)` of `dtype`: the decode path
+        converts a whole step once and hands each request its row, so a row costs one numpy copy
+        and no tensor ops. The first call fixes the files' dtype and width."""
+        if view.ndim == 1:
+            view = view.reshape(1, -1)
+        if self.dtype is None:
+            if dtype not in _NAMES:
+                raise ValueError(f"unsupported row dtype {dtype}")
+            self.dtype, self.hidden = dtype, int(view.shape[1])
+        done, n_rows = 0, view.shape[0]
         while done < n_rows:
             if not self._files or self._files[-1][2] == self._files[-1][1].shape[0]:
                 self._new_file(n_rows - done)
             entry = self._files[-1]
-            view, used = entry[1], entry[2]
-            n = min(view.shape[0] - used, n_rows - done)
-            view[used:used + n] = bits[done:done + n]
-            entry[2] = used + n
+            n = min(entry[1].shape[0] - entry[2], n_rows - done)
+            entry[1][entry[2]:entry[2] + n] = view[done:done + n]
+            entry[2] += n
             done += n
         self.positions.extend(positions)
-
-    def expect(self, dtype: torch.dtype, hidden: int) -> None:
-        """Fix the row dtype and width before the first `append_bits`."""
-        if self.dtype is None:
-            self._set_dtype(torch.empty(0, hidden, dtype=dtype))
 
     def handoff(self) -> dict[str, Any]:
         """Give the files up to a reader: returns the handle for `read_rows`."""
