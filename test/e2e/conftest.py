@@ -14,6 +14,7 @@ from typing import Iterator
 import pytest
 
 from e2e_servers import Server, start_server
+from hidden_states_fixtures import hf, hs_noradix_server, hs_server, refusal_server  # noqa: F401 - fixtures
 
 
 @pytest.fixture(scope="session")

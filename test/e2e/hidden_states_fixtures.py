@@ -1,9 +1,9 @@
 """Servers, the HF reference and client helpers of the hidden-states end-to-end tests.
 
 The servers are started once per pytest process and shared by every test_hidden_states_*.py
-module: each module imports the fixtures below, and the fixtures all hand out the same
-processes (a module-level registry; pytest would otherwise start a session fixture once per
-module that imports it). They are stopped at interpreter exit.
+module: test/e2e/conftest.py imports the fixtures below, and a module-level registry starts the
+two hidden-state servers together (in parallel) and the Engine job after them. They are stopped
+at interpreter exit.
 
 * ``hs_server``: ``--enable-return-hidden-states --chunked-prefill-size 64 --toploc-verification``,
   radix cache on. Prompts of ~240 tokens are prefilled in 4 chunks; TOPLOC is on so that the
@@ -11,8 +11,7 @@ module that imports it). They are stopped at interpreter exit.
 * ``hs_noradix_server``: ``--enable-return-hidden-states --disable-radix-cache``, no TOPLOC: here
   a batch of plain requests captures rows (the server flag makes every batch capture) without any
   request having raised its own capture mode, the case TOPLOC's per-request mode hides.
-* ``refusal_server``: the plugin, no flag: ``plain_server`` of test/e2e/conftest.py when these files
-  sit in test/e2e, else one started here.
+* ``refusal_server``: the plugin, no flag: ``plain_server`` of test/e2e/conftest.py.
 
 The reference for every row is a plain transformers forward in float32:
 ``AutoModelForCausalLM.from_pretrained(model).model(ids).last_hidden_state`` (the lm_head input,
@@ -179,17 +178,9 @@ def engine_job(model_path: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="session")
-def refusal_server(request, model_path: str) -> Server:
-    """A server with the plugin and no --enable-return-hidden-states: test/e2e's `plain_server`
-    where that fixture exists (these files run under test/e2e), else one started here."""
-    try:
-        return request.getfixturevalue("plain_server")
-    except pytest.FixtureLookupError:
-        pass
-    with _lock:
-        if "plain" not in _servers:
-            _servers["plain"] = start_server(model_path, log_name="hs-plain")
-    return _servers["plain"]
+def refusal_server(plain_server: Server) -> Server:
+    """A server with the plugin and no --enable-return-hidden-states (conftest's `plain_server`)."""
+    return plain_server
 
 
 @pytest.fixture(scope="session")

@@ -15,16 +15,13 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from hidden_states_fixtures import (  # noqa: F401 - fixtures
+from hidden_states_fixtures import (
     TIMEOUT,
     LONG_PROMPT,
     SHORT_PROMPT,
     check_response,
     generate,
-    hf,
     hs_fields,
-    hs_noradix_server,
-    hs_server,
     report,
 )
 

@@ -8,15 +8,13 @@ import json
 import pytest
 import requests
 
-from hidden_states_fixtures import (  # noqa: F401 - fixtures
+from hidden_states_fixtures import (
     HANG_TIMEOUT,
     TIMEOUT,
     SHORT_PROMPT,
     check_response,
     generate,
-    hf,
     hs_fields,
-    hs_server,
     report,
 )
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hidden_states_fixtures import check_response, engine_job, hf, report  # noqa: F401 - hf is a fixture
+from hidden_states_fixtures import check_response, engine_job, report
 
 HERE = Path(__file__).resolve().parent
 

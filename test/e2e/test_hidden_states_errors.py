@@ -6,15 +6,12 @@ from __future__ import annotations
 import pytest
 import requests
 
-from hidden_states_fixtures import (  # noqa: F401 - fixtures
+from hidden_states_fixtures import (
     TIMEOUT,
     SHORT_PROMPT,
     check_response,
     generate,
-    hf,
     hs_fields,
-    hs_server,
-    refusal_server,
     report,
 )
 

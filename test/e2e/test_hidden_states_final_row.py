@@ -7,16 +7,13 @@ from __future__ import annotations
 import pytest
 import requests
 
-from hidden_states_fixtures import (  # noqa: F401 - fixtures
+from hidden_states_fixtures import (
     TIMEOUT,
     SHORT_PROMPT,
     check_response,
     finish_type,
     generate,
-    hf,
     hs_fields,
-    hs_noradix_server,
-    hs_server,
     report,
     rows_of,
 )

@@ -16,7 +16,7 @@ import pytest
 import requests
 import torch
 
-from hidden_states_fixtures import (  # noqa: F401 - fixtures
+from hidden_states_fixtures import (
     HANG_TIMEOUT,
     TIMEOUT,
     LONG_PROMPT,
@@ -25,10 +25,7 @@ from hidden_states_fixtures import (  # noqa: F401 - fixtures
     check_rows,
     expected_positions,
     generate,
-    hf,
     hs_fields,
-    hs_noradix_server,
-    hs_server,
     report,
     rows_of,
 )
