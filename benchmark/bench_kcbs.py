@@ -1,6 +1,6 @@
 """k-CBS on a real sglang Engine, one run, three ways of getting the same candidates or work:
 
-  in-scheduler  sglang-rl: beams are prefill-only child requests sharing KV via the radix cache
+  in-scheduler  sglang-rl: k beams per request decode as ordinary batch rows, forked in place
   re-prefill    the reference approach: every step, every live beam is sent again as a full
                 prompt (max_new_tokens=0, top-k log-probs) and the selection runs client-side;
                 its Engine has the radix cache off, so each beam is re-prefilled every step
@@ -93,8 +93,10 @@ def run(args: argparse.Namespace, mode: str) -> dict:
     result = {"mode": mode, "seconds": round(dt, 3)}
     if mode == "in-scheduler":
         result["candidates_per_req"] = len(out[0]["meta_info"]["kcbs_candidates"])
+        result["best"] = [o["meta_info"]["kcbs_candidates"][0]["token_ids"] for o in out]
     elif reprefill:
         result["candidates_per_req"] = len(out[0])
+        result["best"] = [max(bs, key=lambda b: b[1])[0] for bs in out]
     llm.shutdown()
     return result
 
@@ -111,11 +113,14 @@ def main() -> None:
         print("RESULT " + json.dumps(run(args, args.mode)), flush=True)
         return
     rows = run_in_subprocesses(__file__, sys.argv[1:], "--mode", ["in-scheduler", "re-prefill", "re-prefill (radix on)", "plain decode"])
-    ours = rows[0]["seconds"]
+    ours, ours_best = rows[0]["seconds"], rows[0]["best"]
     for r in rows:
         r["vs_in_scheduler"] = round(r["seconds"] / ours, 2)
+        best = r.pop("best", None)
+        if best is not None:  # same best candidate as the in-scheduler search, per request
+            r["same_best"] = f"{sum(a == b for a, b in zip(best, ours_best))}/{len(best)}"
     print(f"\nk-CBS: {args.num} requests x {args.input_len} prompt tokens, k={args.k}, T={args.steps}")
-    print_table(rows, ["mode", "seconds", "vs_in_scheduler", "candidates_per_req"])
+    print_table(rows, ["mode", "seconds", "vs_in_scheduler", "candidates_per_req", "same_best"])
 
 
 if __name__ == "__main__":

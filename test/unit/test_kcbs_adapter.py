@@ -1,15 +1,17 @@
-"""The scheduler-side k-CBS driver (`sglang_rl.adapters.kcbs`) on stand-in requests: children are
-read once and only for their own step (the overlap scheduler shows a finished prefill-only
-request again in the next decode batch's outputs), aborted beams and aborts of the parent end the
-search, and the k-CBS request validation messages."""
+"""The scheduler-side k-CBS driver (`sglang_rl.adapters.kcbs`) on stand-in requests and a real
+`req_to_token` table: beams forked in place hold their own tokens' KV and free every slot once,
+beams are admitted together, partial groups, preempted or aborted beams and aborts of the parent
+end the search, and the k-CBS request validation messages."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH
+from sglang.srt.managers.schedule_policy import AddReqResult
 
 from sglang_rl.adapters import kcbs, transport
 from sglang_rl.request_options import RequestOptionError, validate_kcbs
@@ -33,6 +35,7 @@ class FakeReq:
         self.output_ids = []
         self.finished_len = None
         self.to_finish = None
+        self.req_pool_idx, self.kv_committed_len = None, 0
 
     def finished(self):
         return self.finished_reason is not None
@@ -86,43 +89,162 @@ def _children(sched):
     return [r for r in sched.waiting_queue if hasattr(r, kcbs.CHILD_ATTR)]
 
 
-def test_a_child_is_read_once_and_only_for_its_step(sched):
-    parent = _parent(k=2, steps=3)
+L = 3  # prompt length of `_parent`
+
+
+def _running(beams, first_row=1):
+    """Admit the beams as sglang would: a request slot each, the prompt from the cache (slots
+    0..L-1, protected), one new slot at position L for the beam's first token."""
+    table = torch.full((16, 64), -1, dtype=torch.int32)
+    table[:, :L] = torch.arange(L, dtype=torch.int32)
+    holds = {}  # KV slot -> the token whose KV it holds
+    for j, r in enumerate(beams):
+        r.req_pool_idx = first_row + j
+        r.kv_committed_len = L + 1
+        slot = 100 + j
+        table[r.req_pool_idx, L] = slot
+        holds[slot] = r.origin_input_ids[-1]
+    return table, holds
+
+
+def _sample(batch, logits):
+    kcbs._batch = batch
+    try:
+        return kcbs.sample_around(lambda runner, out, fb: torch.zeros(len(batch.reqs), dtype=torch.long),
+                                  None, SimpleNamespace(next_token_logits=logits), None)
+    finally:
+        kcbs._batch = None
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_forked_rows_hold_each_beams_tokens_and_every_slot_is_freed_once(sched, seed):
+    """Beams forked in place: after every step, each live beam's row points at KV slots holding
+    exactly its own tokens, the token it chose is its next input, and when the search ends the
+    beams' rows free every slot their requests allocated exactly once (no leak, no double free),
+    next to an ordinary request in the same batch whose row is never touched."""
+    gen = torch.Generator().manual_seed(seed)
+    k, steps = 3, 6
+    parent = _parent(k=k, steps=steps)
+    parent.finish_with([-0.1, -1.0, -2.5], [4, 5, 6])
+    assert kcbs.filter_outputs([parent]) == []
+    search = getattr(parent, kcbs.PARENT_ATTR)
+    beams = _children(sched)
+    assert [r.origin_input_ids for r in beams] == [[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 3, 6]]
+    assert all(r.sampling_params.max_new_tokens == steps - 1 and r.sampling_params.ignore_eos
+               and r.skip_radix_cache_insert for r in beams)
+    sched.waiting_queue.clear()
+    table, holds = _running(beams)
+    other = FakeReq("plain", "", [7, 7], SimpleNamespace())
+    other.req_pool_idx, other.kv_committed_len = 9, 2
+    table[9, :2] = torch.tensor([50, 51], dtype=torch.int32)
+    sched.req_to_token_pool = SimpleNamespace(req_to_token=table)
+    batch = SimpleNamespace(reqs=[beams[0], other, beams[1], beams[2]])
+    allocated = {100 + j for j in range(k)}
+    next_slot = 200
+    while not search.done:
+        logits = torch.randn(len(batch.reqs), VOCAB, generator=gen) * 3
+        next_ids = _sample(batch, logits)
+        assert next_ids[1] == 0  # the ordinary request keeps its own sample
+        p = beams[0].kv_committed_len - 1
+        for j, r in enumerate(beams):
+            beam = search.beams[j]
+            if search.done or beam.finished:
+                continue
+            row = table[r.req_pool_idx, L:p + 1].tolist()
+            assert [holds[s] for s in row] == beam.tokens[:-1]
+            assert next_ids[batch.reqs.index(r)] == beam.tokens[-1]
+        if search.done:
+            break
+        for j, r in enumerate(beams):  # the next decode: one new slot per beam for its input token
+            table[r.req_pool_idx, r.kv_committed_len] = next_slot
+            holds[next_slot] = int(next_ids[batch.reqs.index(r)])
+            allocated.add(next_slot)
+            next_slot += 1
+            r.kv_committed_len += 1
+    assert search.step == steps or all(b.finished for b in search.beams)
+    assert all(isinstance(r.to_finish, FINISH_LENGTH) for r in beams)
+    assert sched.streamed == [parent] and len(getattr(parent, transport._PENDING_ATTR)[kcbs.CANDIDATES_FIELD]) == k
+    freed = []
+
+    def release(req, tree_cache):
+        freed.extend(table[req.req_pool_idx, L:req.kv_committed_len].tolist())
+
+    for r in beams:
+        r.finished_reason, r.to_finish = r.to_finish, None
+        kcbs.release_kv_cache_around(release, r, None)
+    assert sorted(freed) == sorted(allocated)
+    assert table[9, :2].tolist() == [50, 51]
+
+
+def test_beams_not_all_in_one_batch_end_the_search(sched):
+    parent = _parent(k=2, steps=4)
     search = _start(sched, parent)
-    first = _children(sched)
-    assert [c.origin_input_ids for c in first] == [[1, 2, 3, 4], [1, 2, 3, 5]]
-    sched.waiting_queue.clear()
-    for c in first:
-        c.finish_with([-0.2, -1.9], [6, 7])
-    assert kcbs.filter_outputs(first) == []
-    second = _children(sched)
-    assert search.step == 2 and len(second) == 2
-    # overlap: the step-1 children, merged into the running decode batch before their prefill
-    # results were processed, come back finished in that decode batch's outputs
-    assert kcbs.filter_outputs(first) == []
-    assert search.step == 2 and all(v is None for v in search.pending.values())
-    sched.waiting_queue.clear()
-    for c in second:
-        c.finish_with([-0.3, -1.5], [8, 9])
-    released = kcbs.filter_outputs(second + first)
-    assert released == [parent] and search.done and not kcbs._active
-    cands = getattr(parent, transport._PENDING_ATTR)[kcbs.CANDIDATES_FIELD]
-    assert [c["token_ids"] for c in cands] == [[4, 6, 8], [4, 6, 9]]
-    assert list(parent.output_ids) == [4, 6, 8]
-    assert kcbs.filter_outputs(second) == []  # late duplicates of a finished search: dropped
+    a, b = _children(sched)
+    sched.waiting_queue.remove(a)
+    table, _ = _running([a])
+    sched.req_to_token_pool = SimpleNamespace(req_to_token=table)
+    next_ids = _sample(SimpleNamespace(reqs=[a]), torch.zeros(1, VOCAB))
+    assert next_ids.tolist() == [0]  # sampled as sglang would; nothing forked
+    assert search.done and parent.finished_reason.status_code == 503
+    assert isinstance(a.to_finish, FINISH_ABORT) and b not in sched.waiting_queue
 
 
-def test_an_aborted_child_ends_the_search(sched):
+def test_a_preempted_beam_ends_its_search(sched):
+    """A beam released before it finished (sglang retracted it) ends the search; the other beam
+    stops, and the retracted one is marked so that it does not run again."""
     parent = _parent(k=2, steps=5)
     search = _start(sched, parent)
     a, b = _children(sched)
-    sched.waiting_queue.remove(a)  # a was scheduled, b still waits
+    sched.waiting_queue.clear()
+    table, _ = _running([a, b])
+    sched.req_to_token_pool = SimpleNamespace(req_to_token=table)
+    kcbs.release_kv_cache_around(lambda req, tc: None, a, None)
+    assert search.done and sched.streamed == [parent] and parent.finished_reason.status_code == 503
+    assert isinstance(a.to_finish, FINISH_ABORT) and isinstance(b.to_finish, FINISH_ABORT)
+
+
+def test_a_beam_finished_by_an_abort_ends_the_search(sched):
+    parent = _parent(k=2, steps=5)
+    search = _start(sched, parent)
+    a, b = _children(sched)
+    sched.waiting_queue.clear()
+    table, _ = _running([a, b])
+    sched.req_to_token_pool = SimpleNamespace(req_to_token=table)
     a.finished_reason = FINISH_ABORT("running timeout", 503)
-    released = kcbs.filter_outputs([a])
-    assert released == [parent]
-    assert isinstance(parent.finished_reason, FINISH_ABORT) and parent.finished_reason.status_code == 503
+    kcbs.release_kv_cache_around(lambda req, tc: None, a, None)
+    assert search.done and isinstance(parent.finished_reason, FINISH_ABORT)
     assert list(parent.output_ids) == [] and not getattr(parent, transport._PENDING_ATTR, None)
-    assert b not in sched.waiting_queue and search.done and not kcbs._active
+    assert isinstance(b.to_finish, FINISH_ABORT) and not kcbs._active
+
+
+class FakeAdder:
+    def __init__(self, slots_left, tokens_left):
+        self.can_run_list, self.running_batch, self.page_size = [], SimpleNamespace(reqs=[]), 1
+        self.prefill_max_requests, self.rem_chunk_tokens = None, None
+        self.rem_total_tokens, self.rem_input_tokens = tokens_left, tokens_left
+        self.slots_left = slots_left
+
+    def add_one_req(self, req):
+        self.can_run_list.append(req)
+        return "added"
+
+
+@pytest.mark.parametrize("slots, tokens, admitted", [(4, 1000, 3), (2, 1000, 0), (4, 10, 0)])
+def test_beams_are_admitted_together_or_not_at_all(sched, slots, tokens, admitted):
+    parent = _parent(k=3, steps=4)
+    parent.finish_with([-0.1, -1.0, -2.5], [4, 5, 6])
+    kcbs.filter_outputs([parent])
+    adder = FakeAdder(slots, tokens)
+    sched.get_num_allocatable_reqs = lambda running: adder.slots_left
+    results = []
+    for r in _children(sched):
+        r.full_untruncated_fill_ids, r.prefix_indices = r.origin_input_ids, [0] * L
+        res = kcbs.add_one_req_around(FakeAdder.add_one_req, adder, r)
+        results.append(res)
+        if res != "added":
+            break
+    assert len(adder.can_run_list) == admitted
+    assert admitted == 3 or results == [AddReqResult.OTHER]
 
 
 def test_abort_request_of_the_parent_ends_the_search(sched):
@@ -136,7 +258,7 @@ def test_abort_request_of_the_parent_ends_the_search(sched):
                               SimpleNamespace(rid="abc", abort_all=False, abort_message=None))
     assert sched.streamed == [parent] and isinstance(parent.finished_reason, FINISH_ABORT)
     assert search.done and b not in sched.waiting_queue and isinstance(a.to_finish, FINISH_ABORT)
-    a.finish_with([-0.1, -0.2], [1, 2])
+    a.finished_reason = a.to_finish
     assert kcbs.filter_outputs([a]) == []  # its output is dropped
     assert not other_search.done and len([c for c in sched.waiting_queue if c.rid.startswith("xyz")]) == 2
     kcbs.abort_request_around(FakeScheduler.abort_request, sched,

@@ -1,20 +1,33 @@
-"""Scheduler side of k-CBS: beams as prefill-only child requests that share KV through the radix
-cache, one batched extend per step for the live beams of all k-CBS requests.
+"""Scheduler side of k-CBS: beams are k long-lived decode requests per search, forked in place
+between steps, so every step is one batched decode (CUDA graphs included) for the live beams of
+all k-CBS requests, next to ordinary requests.
 
-The k-CBS request itself is prefilled once (prefill-only, top-k log-probs of its last position)
-and its output is held back. Each step turns the surviving candidates into child requests
-`prompt + beam tokens` (prefill-only, top-k log-probs): the radix cache serves each child its
-parent's KV by index with reference counts, so only the newest token of each beam is computed,
-and all children of a step are queued together. When all children of a request's step have
-finished, `kcbs_step` (the engine-agnostic core) selects the next beams. Children never reach the
-tokenizer; when the search ends the held request is released with the best candidate as its
-ordinary output and every candidate in `kcbs_candidates`. The same code runs on every TP rank,
-so all ranks schedule the same children.
+Life of a search:
+1. The k-CBS request itself is prefilled once (prefill-only, top-k log-probs of its last
+   position); its output is held back. Its top-k give step 1 (`kcbs_step`, the engine-agnostic
+   core).
+2. Beam slot j becomes a request `prompt + [token_j]` (ignore_eos, no stop rules, at most T - 1
+   new tokens). The radix cache serves the prompt's KV by index, so the k beams cost one extend
+   of one token each; they are admitted into a batch together or not at all.
+3. In every forward that holds the beams, `sample_around` reads the beams' log-softmax rows at
+   temperature 1 before sglang samples, runs the step, and then, on the forward stream:
+   - writes each slot's chosen token as that slot's next token (the overlap scheduler feeds it
+     to the next decode through its future map);
+   - forks in place: slot j's `req_to_token` row over the beam positions [L, p] becomes its
+     parent slot's row (index sharing, no KV copy).
+4. The slots a search's beams allocated past the prompt (one per beam per step) are owned by the
+   search: before sglang frees the first beam, `release_kv_cache_around` deals them back into the
+   rows, each exactly once, so sglang's own free path releases every slot exactly once; the beams
+   never insert into the radix cache.
+5. After step T (or when every candidate has finished) the beams are told to finish and the held
+   request is released with the best candidate as its output and every candidate attached.
+
+The same code runs on every TP rank: the selection is a function of the logits, which every rank
+holds, so all ranks fork alike.
 """
 
 from __future__ import annotations
 
-import copy
 import math
 from array import array
 from http import HTTPStatus
@@ -24,13 +37,14 @@ import torch
 
 from sglang.srt.environ import envs
 from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH, FINISH_MATCHED_TOKEN, Req
+from sglang.srt.managers.schedule_policy import AddReqResult
+from sglang.srt.sampling.sampling_params import SamplingParams
 
 from sglang_rl.adapters import transport
 from sglang_rl.kcbs import kcbs_step
 
 PARENT_ATTR = "_sglang_rl_kcbs"
 CHILD_ATTR = "_sglang_rl_kcbs_child"
-CONSUMED_ATTR = "_sglang_rl_kcbs_consumed"
 CANDIDATES_FIELD = "kcbs_candidates"
 
 _scheduler: Any = None
@@ -50,7 +64,7 @@ class Beam:
 
 
 class KcbsSearch:
-    """The state of one k-CBS request between scheduler steps."""
+    """The state of one k-CBS request from its prompt prefill to its release."""
 
     def __init__(self, parent: Any, k: int, steps: int, keep_all: bool) -> None:
         self.parent = parent
@@ -59,14 +73,22 @@ class KcbsSearch:
         self.keep_all = keep_all
         self.step = 0
         self.beams: list[Beam] = [Beam([], 0.0, 0.0, False, "length")]
-        # beam index -> (vals, ids) of its child of the current step, None while it runs
-        self.pending: dict[int, Optional[tuple[list[float], list[int]]]] = {}
-        # beam index -> the child request of the current step
-        self.children: dict[int, Any] = {}
+        # for each new beam of the last step, the index of the beam it extends
+        self.parents: list[int] = []
+        # slot j -> the request that runs beam j
+        self.beam_reqs: list[Any] = []
+        # per beam forward: the KV slot each beam request allocated for its newest position
+        self.owned: list[torch.Tensor] = []
+        self.slots_returned = False
+        self.admitting: Any = None  # the PrefillAdder that is admitting this search's beams
         self.started = False
         self.done = False
         self.aborted = False
         self._eos: Optional[set[int]] = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.parent.origin_input_ids)
 
     def eos_ids(self) -> set[int]:
         """The tokens that end a beam (computed once per search)."""
@@ -80,8 +102,12 @@ class KcbsSearch:
             self._eos = ids
         return self._eos
 
+    def over(self) -> bool:
+        """T steps done, or every candidate has finished."""
+        return self.step >= self.steps or all(b.finished for b in self.beams)
 
-# Searches between their first step and their end, by parent rid (for aborts).
+
+# Searches between their prompt prefill and their end, by parent rid (for aborts).
 _active: dict[Any, KcbsSearch] = {}
 
 
@@ -115,10 +141,10 @@ _NO_TOKEN = 2**62  # column padding of `_advance_all`: sorts after every real to
 def _advance_all(ready: list[tuple[KcbsSearch, list[Top]]]) -> None:
     """One k-CBS step over the beams of every search that is ready, in one `kcbs_step` call.
 
-    The step gets only what sglang returned: each live beam's top-k (log-prob, token id) pairs,
-    as a compact `[beams, width]` matrix whose columns are sorted by token id, so that
-    `kcbs_step`'s tie rule (lower token id first) holds exactly as over the full vocabulary;
-    columns are mapped back to token ids afterwards. Missing columns are -inf."""
+    The step gets each live beam's top-k (log-prob, token id) pairs, as a compact `[beams, width]`
+    matrix whose columns are sorted by token id, so that `kcbs_step`'s tie rule (lower token id
+    first) holds exactly as over the full vocabulary; columns are mapped back to token ids
+    afterwards. Missing columns are -inf. Sets each search's new beams and their parents."""
     if not ready:
         return
     width = max(s.k for s, _ in ready)
@@ -161,9 +187,11 @@ def _advance_all(ready: list[tuple[KcbsSearch, list[Top]]]) -> None:
     n_sel = len(sel)
     for r, (search, _) in enumerate(ready):
         eos = search.eos_ids()
-        new = []
+        new, origin = [], []
         for i in range(*sel.rows(r).indices(n_sel)):
-            base = search.beams[parents[i] - firsts[r]]
+            local = parents[i] - firsts[r]
+            base = search.beams[local]
+            origin.append(local)
             if carried[i]:
                 new.append(Beam(base.tokens, scores[i], raws[i], True, base.reason))
             else:
@@ -171,36 +199,32 @@ def _advance_all(ready: list[tuple[KcbsSearch, list[Top]]]) -> None:
                 new.append(Beam(base.tokens + [tokens[i]], scores[i], raws[i], stop,
                                 "stop" if stop else "length"))
         search.beams = new
+        search.parents = origin
         search.step += 1
 
 
-def _spawn_children(search: KcbsSearch, released: list) -> None:
+def _spawn_beams(search: KcbsSearch, released: list) -> None:
+    """Queue one request per beam slot: prompt + the beam's first token, decoding up to T - 1
+    tokens whose choice `sample_around` makes. A finished candidate's slot runs as well (its
+    rows are ignored) so that the group stays whole."""
     p = search.parent
     sched = _scheduler
-    search.pending = {}
-    search.children = {}
+    search.beam_reqs = []
     for b, beam in enumerate(search.beams):
-        if beam.finished:
-            continue
-        ids = array("q", list(p.origin_input_ids) + beam.tokens)
-        sp = copy.copy(p.sampling_params)
-        sp.max_new_tokens = 0
-        sp.custom_params = None
-        child = Req(
-            f"{p.rid}{CHILD_RID_MARK}{search.step}::{b}", "", ids, sp,
-            return_logprob=True, top_logprobs_num=search.k, stream=False,
-            eos_token_ids=p.eos_token_ids, vocab_size=p.vocab_size,
-        )
-        child.tokenizer = getattr(p, "tokenizer", None)
-        child.logprob_start_len = len(ids)
-        setattr(child, CHILD_ATTR, (search, search.step, b))
-        search.pending[b] = None
-        search.children[b] = child
-        sched.init_req_max_new_tokens(child)
-        sched._add_request_to_queue(child)
+        ids = array("q", list(p.origin_input_ids) + beam.tokens[-1:])
+        sp = SamplingParams(max_new_tokens=search.steps - 1, temperature=1.0, ignore_eos=True)
+        sp.normalize(None)
+        req = Req(f"{p.rid}{CHILD_RID_MARK}{b}", "", ids, sp, return_logprob=False, stream=False,
+                  eos_token_ids=None, vocab_size=p.vocab_size)
+        req.skip_radix_cache_insert = True  # its rows are the search's; only the prompt is cached
+        setattr(req, CHILD_ATTR, (search, b))
+        search.beam_reqs.append(req)
+    local = getattr(getattr(sched, "disaggregation_mode", None), "name", "NULL") == "NULL"
+    for req in search.beam_reqs:
+        sched.init_req_max_new_tokens(req)
+        sched._add_request_to_queue(req)
         queue = sched.waiting_queue
-        local = getattr(getattr(sched, "disaggregation_mode", None), "name", "NULL") == "NULL"
-        if local and (not queue or queue[-1] is not child):
+        if local and (not queue or queue[-1] is not req):
             # refused by the scheduler (queue limit, priority rules): the search cannot go on
             _abort(search, "k-CBS: the scheduler refused a beam request (waiting queue full?)", released,
                    status_code=HTTPStatus.SERVICE_UNAVAILABLE)
@@ -208,7 +232,7 @@ def _spawn_children(search: KcbsSearch, released: list) -> None:
 
 
 def _finalize(search: KcbsSearch) -> None:
-    """Release the held request: best candidate as its output, all candidates attached."""
+    """Attach the candidates to the held request, its output being the best candidate."""
     search.done = True
     _active.pop(search.parent.rid, None)
     p = search.parent
@@ -232,95 +256,74 @@ def _finalize(search: KcbsSearch) -> None:
         else FINISH_LENGTH(length=len(best.tokens))
     )
     transport.post(p, **{CANDIDATES_FIELD: candidates})
+    _stop_beams(search, FINISH_LENGTH(length=max(search.step - 1, 0)))
+
+
+def _stop_beams(search: KcbsSearch, reason: Any) -> None:
+    """Queued beams are dropped (they hold no KV); running ones finish at their next result
+    (sglang frees them; their outputs are dropped by `filter_outputs`)."""
+    sched = _scheduler
+    live = {id(r): r for r in search.beam_reqs if not r.finished()}
+    if not live or sched is None:
+        return
+    queue = sched.waiting_queue
+    dropped = [r for r in queue if id(r) in live]
+    if dropped:
+        queue[:] = [r for r in queue if id(r) not in live]
+        for r in dropped:
+            live.pop(id(r))
+            if getattr(sched, "enable_hicache_storage", False):
+                sched.tree_cache.release_aborted_request(r.rid)
+    for r in live.values():
+        r.to_finish = reason
+
+
+def _stream(p: Any, released: Optional[list]) -> None:
+    """Hand a released request to the current output list, or stream it now."""
+    if released is not None:
+        released.append(p)
+    elif _scheduler is not None and not p.finished_output:
+        _scheduler.output_streamer.stream_output([p], p.return_logprob)
 
 
 def _abort(search: KcbsSearch, message: str, released: Optional[list], status_code: Any = None,
            err_type: Any = None) -> None:
-    """End a search without candidates: its queued beam requests are dropped (they hold no KV),
-    the ones already in a batch are marked to finish (sglang frees their KV as for any finished
-    request; their outputs are dropped by `filter_outputs`), and the held request is released with
-    an abort finish reason, into `released` or, outside an output step, streamed at once."""
+    """End a search without candidates: its beams stop and the held request is released with an
+    abort finish reason, into `released` or, outside an output step, streamed at once."""
     if search.done:
         return
     search.done = True
     search.aborted = True
     _active.pop(search.parent.rid, None)
-    sched = _scheduler
-    live = {id(c): c for c in search.children.values() if not c.finished()}
-    if live and sched is not None:
-        queue = sched.waiting_queue
-        dropped = [r for r in queue if id(r) in live]
-        if dropped:
-            queue[:] = [r for r in queue if id(r) not in live]
-            for r in dropped:
-                live.pop(id(r))
-                if getattr(sched, "enable_hicache_storage", False):
-                    sched.tree_cache.release_aborted_request(r.rid)
-        for c in live.values():
-            c.to_finish = FINISH_ABORT(message)
+    _stop_beams(search, FINISH_ABORT(message))
     p = search.parent
     p.output_ids = array("q")
     p.finished_len = 0
     p.finished_reason = FINISH_ABORT(message, status_code, err_type)
-    if released is not None:
-        released.append(p)
-    elif sched is not None and not p.finished_output:
-        sched.output_streamer.stream_output([p], p.return_logprob)
+    _stream(p, released)
 
 
-def _all_finished(search: KcbsSearch) -> bool:
-    return all(b.finished for b in search.beams)
-
-
-def _next(search: KcbsSearch, released: list) -> None:
-    if search.step >= search.steps or _all_finished(search):
+def _after_step(search: KcbsSearch, released: Optional[list]) -> None:
+    if search.over():
         _finalize(search)
-        released.append(search.parent)
-    else:
-        _spawn_children(search, released)
+        _stream(search.parent, released)
 
 
 def _is_abort(req: Any) -> bool:
     return isinstance(req.finished_reason, FINISH_ABORT)
 
 
-def _child_aborted(search: KcbsSearch, req: Any, released: list) -> None:
-    reason = req.finished_reason
-    _abort(search, f"k-CBS beam request aborted: {reason.message}", released,
-           getattr(reason, "status_code", None), getattr(reason, "err_type", None))
-
-
 def filter_outputs(reqs: list) -> list:
-    """Drive the searches whose requests finished in this batch; return the outputs to stream
-    (children removed, held requests removed, completed or aborted requests added).
+    """Hide beam requests from the outputs, start the searches whose prompt prefill finished in
+    this batch (step 1 from its top-k, then the beams), and add the requests they release.
 
-    A child is read once, when it finishes, and only if it is the child of its search's current
-    step: with the overlap scheduler a request that finished in a prefill batch was already merged
-    into the next (decode) batch and shows up, finished, in that batch's outputs too, one step
-    later; reading it again there would feed last step's log-probs into this step."""
+    With the overlap scheduler a prefill-only request that finished in one batch shows up again,
+    finished, in the next batch's outputs; `search.started` makes it count once."""
     released: list = []
     out = []
-    touched: list[KcbsSearch] = []
     ready: list[tuple[KcbsSearch, list[Top]]] = []
     for req in reqs:
-        child = getattr(req, CHILD_ATTR, None)
-        if child is not None:
-            search, step, b = child
-            if not req.finished() or getattr(req, CONSUMED_ATTR, False):
-                continue
-            setattr(req, CONSUMED_ATTR, True)
-            if search.done or step != search.step or search.children.get(b) is not req:
-                continue  # a beam of an aborted search, dropped
-            if _is_abort(req):
-                _child_aborted(search, req, released)
-                continue
-            top = _top_logprobs(req)
-            if top is None:
-                _abort(search, f"k-CBS: no top log-probs for beam request {req.rid}", released,
-                       HTTPStatus.INTERNAL_SERVER_ERROR)
-                continue
-            search.pending[b] = top
-            touched.append(search)
+        if hasattr(req, CHILD_ATTR):
             continue
         search = getattr(req, PARENT_ATTR, None)
         if search is not None and not search.done:
@@ -341,14 +344,189 @@ def filter_outputs(reqs: list) -> list:
                 ready.append((search, [top]))
             continue
         out.append(req)
-    for search in dict.fromkeys(touched):
-        if search.done or any(v is None for v in search.pending.values()):
-            continue
-        ready.append((search, [search.pending.get(b) for b in range(len(search.beams))]))
     _advance_all(ready)
     for search, _ in ready:
-        _next(search, released)
+        if search.over():
+            _after_step(search, released)
+        else:
+            _spawn_beams(search, released)
     return out + released
+
+
+# ------------------------------------------------------------------------------------------
+# the beams inside a forward
+
+
+_batch: Any = None  # the ScheduleBatch whose forward is running (read by `sample_around`)
+
+
+def worker_forward_around(original: Callable, worker: Any, batch: Any = None, *args: Any, **kwargs: Any) -> Any:
+    """AROUND TpModelWorker.forward_batch_generation: let `sample_around` see the batch's
+    requests (also when sampling is deferred, as with grammars under the overlap scheduler)."""
+    global _batch
+    if not _active or batch is None:
+        return original(worker, batch, *args, **kwargs)
+    _batch = batch
+    try:
+        result = original(worker, batch, *args, **kwargs)
+    finally:
+        _batch = None
+    deferred = getattr(result, "delay_sample_func", None)
+    if deferred is not None:
+        def sample_later() -> Any:
+            global _batch
+            _batch = batch
+            try:
+                return deferred()
+            finally:
+                _batch = None
+        result.delay_sample_func = sample_later
+    return result
+
+
+def _beam_groups(batch: Any) -> list[tuple[KcbsSearch, list[int]]]:
+    """The searches with beams in this batch, each with the batch row of every beam slot. A
+    search whose beams are not all here at one position ends (503): its step cannot be taken."""
+    found: dict[int, tuple[KcbsSearch, dict[int, int]]] = {}
+    for i, req in enumerate(batch.reqs):
+        tag = getattr(req, CHILD_ATTR, None)
+        if tag is None or tag[0].done or req.finished():
+            continue
+        found.setdefault(id(tag[0]), (tag[0], {}))[1][tag[1]] = i
+    groups = []
+    for search, rows in found.values():
+        whole = len(rows) == len(search.beam_reqs)
+        if not whole or len({r.kv_committed_len for r in search.beam_reqs}) != 1:
+            _abort(search, "k-CBS: the scheduler did not run all beams of this request together",
+                   None, HTTPStatus.SERVICE_UNAVAILABLE)
+            continue
+        groups.append((search, [rows[j] for j in range(len(rows))]))
+    return groups
+
+
+def sample_around(original: Callable, runner: Any, logits_output: Any, forward_batch: Any,
+                  *args: Any, **kwargs: Any) -> Any:
+    """AROUND ModelRunner.sample: take one k-CBS step for every search whose beams are in this
+    batch, then make the sampled tokens of the beam rows the chosen ones and fork the rows."""
+    groups = _beam_groups(_batch) if _batch is not None else []
+    if not groups:
+        return original(runner, logits_output, forward_batch, *args, **kwargs)
+    logits = logits_output.next_token_logits
+    rows = torch.tensor([i for _, rs in groups for i in rs], device=logits.device)
+    width = max(search.k for search, _ in groups)
+    # read before sglang samples: sampling may scale the logits in place
+    top = torch.log_softmax(logits.index_select(0, rows).float(), dim=-1).topk(width, dim=-1)
+    next_ids = original(runner, logits_output, forward_batch, *args, **kwargs)
+    vals, ids = top.values.tolist(), top.indices.tolist()
+    ready, at = [], 0
+    for search, rs in groups:
+        ready.append((search, [(vals[at + j], ids[at + j]) for j in range(len(rs))]))
+        at += len(rs)
+    _advance_all(ready)
+    chosen = []
+    for search, rs in groups:
+        for j in range(len(rs)):
+            beam = search.beams[j] if j < len(search.beams) else None
+            chosen.append(beam.tokens[-1] if beam is not None and beam.tokens else 0)
+    next_ids[rows.to(next_ids.device)] = torch.tensor(chosen, dtype=next_ids.dtype).to(next_ids.device)
+    _fork(groups)
+    for search, _ in groups:
+        _after_step(search, None)
+    return next_ids
+
+
+def _fork(groups: list[tuple[KcbsSearch, list[int]]]) -> None:
+    """Record each beam's newest KV slot as the search's, then point each slot's beam positions
+    [L, p] at its parent's (searches that just ended keep their rows: no forward follows)."""
+    table = _scheduler.req_to_token_pool.req_to_token
+    width = table.shape[1]
+    flat = table.view(-1)
+    newest, src, dst, spans = [], [], [], []
+    for search, _ in groups:
+        pool = [r.req_pool_idx for r in search.beam_reqs]
+        p = search.beam_reqs[0].kv_committed_len - 1
+        spans.append(len(pool))
+        newest.extend(row * width + p for row in pool)
+        if search.over():
+            continue
+        start = search.prompt_len
+        for j, parent in enumerate(search.parents):
+            if parent != j:
+                src.extend(range(pool[parent] * width + start, pool[parent] * width + p + 1))
+                dst.extend(range(pool[j] * width + start, pool[j] * width + p + 1))
+    slots = flat[torch.tensor(newest, device=table.device)]
+    at = 0
+    for (search, _), n in zip(groups, spans):
+        search.owned.append(slots[at:at + n])
+        at += n
+    if dst:
+        flat[torch.tensor(dst, device=table.device)] = flat[torch.tensor(src, device=table.device)]
+
+
+def release_kv_cache_around(original: Callable, req: Any, tree_cache: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND mem_cache.common.release_kv_cache: before sglang frees the first beam of a search,
+    deal the slots the beams allocated past the prompt back into their rows, each once, so that
+    sglang's per-request free releases every slot exactly once. A beam released while its search
+    runs (preempted by a retraction) ends the search."""
+    tag = getattr(req, CHILD_ATTR, None)
+    if tag is None:
+        return original(req, tree_cache, *args, **kwargs)
+    search = tag[0]
+    running = not req.finished()
+    if not search.done:
+        _abort(search, "k-CBS: a beam request was preempted", None, HTTPStatus.SERVICE_UNAVAILABLE)
+    _return_slots(search)
+    result = original(req, tree_cache, *args, **kwargs)
+    if running:
+        req.to_finish = FINISH_ABORT("k-CBS: search ended")  # a retracted beam must not run again
+    return result
+
+
+def _return_slots(search: KcbsSearch) -> None:
+    if search.slots_returned:
+        return
+    search.slots_returned = True
+    if not search.owned:
+        return
+    table = _scheduler.req_to_token_pool.req_to_token
+    width = table.shape[1]
+    steps = len(search.owned)
+    start = search.prompt_len
+    dst = [r.req_pool_idx * width + start + i for r in search.beam_reqs for i in range(steps)]
+    table.view(-1)[torch.tensor(dst, device=table.device)] = torch.stack(search.owned).t().reshape(-1)
+    search.owned = []
+
+
+def add_one_req_around(original: Callable, adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND PrefillAdder.add_one_req: the beams of a search enter a batch together. At the
+    first beam, check that the whole group fits this batch (request slots, tokens); if not, stop
+    adding here, and the group waits for the next batch."""
+    tag = getattr(req, CHILD_ATTR, None)
+    if tag is None:
+        return original(adder, req, *args, **kwargs)
+    search = tag[0]
+    if search.admitting is not adder:
+        if not _group_fits(adder, req, len(search.beam_reqs)):
+            return AddReqResult.OTHER
+        search.admitting = adder
+    return original(adder, req, *args, **kwargs)
+
+
+def _group_fits(adder: Any, req: Any, k: int) -> bool:
+    queued = len(adder.can_run_list)
+    limit = getattr(adder, "prefill_max_requests", None)
+    if limit is not None and queued + k > limit:
+        return False
+    sched = _scheduler
+    if sched is not None:
+        running = len(adder.running_batch.reqs) if adder.running_batch is not None else 0
+        if queued + k > sched.get_num_allocatable_reqs(running):
+            return False
+    extend = max(len(req.full_untruncated_fill_ids) - len(req.prefix_indices), 1)
+    need = k * (extend + req.sampling_params.max_new_tokens + adder.page_size)
+    if need >= adder.rem_total_tokens or k * extend > adder.rem_input_tokens:
+        return False
+    return adder.rem_chunk_tokens is None or k * extend <= adder.rem_chunk_tokens
 
 
 def _queued_beams(scheduler: Any) -> list:
