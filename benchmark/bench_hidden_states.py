@@ -89,6 +89,11 @@ def run_group(args: argparse.Namespace, group: str) -> list[dict]:
             # mode timed after it (full-binary) in v2/v3
             outs = None
             gc.collect()
+            # every mode prefills its prompts: without this, plain and LAST found the warm-up's
+            # prompts in the radix cache while FULL scope "all" recomputes them for their rows,
+            # so v1-v5 charged FULL with a prefill the baseline skipped
+            flushed = llm.flush_cache()
+            assert getattr(flushed, "success", True), f"flush_cache failed: {flushed}"
             t = time.time()
             outs = llm.generate(input_ids=prompts, sampling_params=sp, **kw)
             dt = time.time() - t

@@ -113,6 +113,9 @@ def validate_kcbs(fields: dict, params: dict, stream: bool, server_args: Any) ->
         raise RequestOptionError(KCBS_STREAM_ERROR)
     if getattr(server_args, "speculative_algorithm", None):
         raise RequestOptionError("k-CBS is not supported with speculative decoding")
+    if (getattr(server_args, "page_size", None) or 1) > 1:
+        # beams fork token by token in req_to_token; paged KV would need page-aligned forks
+        raise RequestOptionError("k-CBS needs a server with --page-size 1")
     return {"kcbs_k": k, "kcbs_steps": steps, "kcbs_keep_all": not final_prune}
 
 

@@ -286,22 +286,32 @@ def pool(url: str) -> dict:
     return resp.json()["loads"][0]
 
 
+def work_done(snap: dict) -> int:
+    """Rows the server has computed so far: prefill tokens plus decode rows (the second of
+    sglang's decode moments is the running sum of decode batch sizes). k-CBS beams after their
+    one-token extend are decode rows, so an abandoned search shows up in the second term."""
+    moments = snap.get("decode_moments") or [0, 0]
+    return int(snap["total_prefill_uncached_tokens"] + moments[1])
+
+
 def wait_idle(url: str, timeout: float, quiet_s: float = 3.0, baseline: Optional[int] = None) -> tuple[bool, dict, list]:
-    """Poll until no prefill work happened for `quiet_s` seconds and nothing waits (and, if given,
-    num_used_tokens == baseline). Returns (reached, last snapshot, trace of snapshots)."""
+    """Poll until no work (`work_done`) happened for `quiet_s` seconds and nothing waits or runs
+    (and, if given, num_used_tokens == baseline). Returns (reached, last snapshot, trace of
+    snapshots)."""
     deadline = time.time() + timeout
     trace: list = []
     last_work = None
     quiet_since = time.time()
     snap = pool(url)
     while True:
-        work = snap["total_prefill_uncached_tokens"]
+        work = work_done(snap)
         if work != last_work:
             last_work = work
             quiet_since = time.time()
         trace.append((round(time.time(), 2), snap["num_used_tokens"], snap["num_waiting_reqs"], work))
         settled = (
             snap["num_waiting_reqs"] == 0
+            and snap.get("num_running_reqs", 0) == 0
             and time.time() - quiet_since >= quiet_s
             and (baseline is None or snap["num_used_tokens"] == baseline)
         )

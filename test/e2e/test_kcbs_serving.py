@@ -10,7 +10,8 @@
 - KV pool: usage (see kcbs_helpers.pool: used = pool - free - evictable cache) returns to its
   starting value after a burst of k-CBS requests, after a client disconnects from a running
   k-CBS request (timeout, connection closed), and after POST /abort_request; and the server
-  stops working on an abandoned search.
+  stops working on an abandoned search (no prefill token or decode row computed after it ends);
+- radix cache off: candidates equal the transformers reference and the pool returns to its start.
 """
 
 from __future__ import annotations
@@ -33,11 +34,13 @@ from kcbs_helpers import (
     pool,
     post,
     prompt_ids,
+    reference,
     release_shared_server,
     server_log_tail,
     shared_server,
     stream_generate,
     wait_idle,
+    work_done,
 )
 
 
@@ -269,18 +272,23 @@ def test_kv_usage_returns_after_kcbs_burst(server, tok):
 
 
 def _runaway(trace: list, since: float) -> int:
-    """Prefill tokens computed after `since` (by the trace of wait_idle)."""
+    """Rows (prefill tokens + decode rows) computed after `since` (by the trace of wait_idle)."""
     after = [t for t in trace if t[0] >= since]
     return (after[-1][3] - after[0][3]) if len(after) > 1 else 0
 
 
-LONG_SEARCH = 200  # steps of the abandoned searches (k=8): long enough to be mid-way when cut
+LONG_SEARCH = 800  # steps of the abandoned searches (k=8): long enough to be mid-way when cut
 
 
 def _settle(server, base: int, timeout: float) -> tuple[bool, dict, int]:
     """After an abort: wait up to `timeout` s for the KV pool to return to `base` (else let an
     abandoned search run out, up to 240 s, and still require the pool back); returns whether it
-    came back in time, the last snapshot, and the prefill work done after the abort."""
+    came back in time, the last snapshot, and the rows computed after the abort."""
+    # a scheduler that sleeps on idle publishes a current snapshot only once something wakes it:
+    # poll once and give its idle iteration a moment, so that rows computed before now are not
+    # counted as computed after it
+    pool(server.url)
+    time.sleep(1.0)
     settle_from = time.time()
     reached, snap, trace = wait_idle(server.url, timeout=timeout, baseline=base)
     work_after_abort = _runaway(trace, settle_from)
@@ -296,9 +304,9 @@ def test_kv_and_work_after_client_disconnect(server, tok):
     """A client gives up on a running k-CBS request (read timeout: the connection is closed; the
     server notices within its 4 s disconnect poll and aborts the rid). Afterwards the pool
     usage is back to its start value, and the server stops working on the abandoned search
-    (its prefill counter stops growing soon after the abort)."""
+    (no prefill token or decode row is computed from 12 s after the disconnect on)."""
     base = _baseline(server.url)
-    start_work = pool(server.url)["total_prefill_uncached_tokens"]
+    start_work = work_done(pool(server.url))
     body = kcbs_body(prompt_ids(tok, "count"), 8, LONG_SEARCH, True)
     t0 = time.time()
     with pytest.raises(requests.exceptions.ReadTimeout):
@@ -306,12 +314,12 @@ def test_kv_and_work_after_client_disconnect(server, tok):
     # the scheduler has had 12 s to see the disconnect (4 s poll) and drop the search
     time.sleep(max(0.0, t0 + 12 - time.time()))
     reached, snap, work_after_abort = _settle(server, base, timeout=15)
-    total = snap["total_prefill_uncached_tokens"] - start_work
-    print(f"\n[kcbs-abort] disconnect: {total} prefill tokens in all, {work_after_abort} computed "
+    total = work_done(snap) - start_work
+    print(f"\n[kcbs-abort] disconnect: {total} rows in all, {work_after_abort} computed "
           f"more than 12 s after the client left; pool back to {snap['num_used_tokens']}", flush=True)
-    assert reached and total < 8 * (LONG_SEARCH - 1), (
-        f"the k-CBS search kept running after its client disconnected: {work_after_abort} prefill "
-        f"tokens computed from 12 s after the disconnect on, {total} in all (the whole search is "
+    assert reached and work_after_abort == 0 and total < 8 * (LONG_SEARCH - 1), (
+        f"the k-CBS search kept running after its client disconnected: {work_after_abort} rows "
+        f"computed from 12 s after the disconnect on, {total} in all (the whole search is "
         f"about {8 * (LONG_SEARCH - 1)})"
     )
 
@@ -320,7 +328,7 @@ def test_kv_and_work_after_abort_request(server, tok):
     """POST /abort_request with the rid of a running k-CBS request: the request ends (without
     candidates), the pool usage returns to its start value and the search stops."""
     base = _baseline(server.url)
-    start_work = pool(server.url)["total_prefill_uncached_tokens"]
+    start_work = work_done(pool(server.url))
     rid = f"kcbs-abort-{time.time_ns()}"
     body = {**kcbs_body(prompt_ids(tok, "count"), 8, LONG_SEARCH, True), "rid": rid}
     result: dict = {}
@@ -342,17 +350,36 @@ def test_kv_and_work_after_abort_request(server, tok):
     thread.join(20)
     ended = not thread.is_alive()
     reached, snap, work_after_abort = _settle(server, base, timeout=10)
-    total = snap["total_prefill_uncached_tokens"] - start_work
+    total = work_done(snap) - start_work
     thread.join(30)
     print(f"\n[kcbs-abort] /abort_request: request ended within 20 s: {ended}; finally "
-          f"{str(result)[:160]}; {work_after_abort} prefill tokens computed from 20 s after the "
+          f"{str(result)[:160]}; {work_after_abort} rows computed from 20 s after the "
           f"abort on, {total} in all", flush=True)
     assert requests.get(server.url + "/health_generate", timeout=300).status_code == 200
     summary = {k: (v[:200] if isinstance(v, str) else v) for k, v in result.items()}
     assert ended, f"the aborted k-CBS request did not end within 20 s of /abort_request; finally: {summary}"
     assert "kcbs_candidates" not in result.get("text", ""), f"aborted request returned candidates: {summary}"
-    assert reached and total < 8 * (LONG_SEARCH - 1), (
-        f"the k-CBS search kept running after /abort_request: {work_after_abort} prefill tokens "
+    assert reached and work_after_abort == 0 and total < 8 * (LONG_SEARCH - 1), (
+        f"the k-CBS search kept running after /abort_request: {work_after_abort} rows "
         f"computed from 20 s after the abort on, {total} in all (the whole search is about "
         f"{8 * (LONG_SEARCH - 1)})"
     )
+
+
+# ------------------------------------------------------------------------------------------
+# radix cache off
+
+
+def test_radix_cache_off_gives_the_reference_candidates(hs_noradix_server, tok, model_path):
+    """k-CBS on a server without the radix cache: each beam prefills the prompt itself, so its
+    rows hold its own prompt slots next to the forked beam positions. Candidates equal the
+    transformers reference and the KV pool returns to its start value (every slot freed once)."""
+    url = hs_noradix_server.url
+    base = _baseline(url)
+    cases = [("capital", 3, 5, True), ("count", 2, 8, False), ("fox", 4, 4, True)]
+    outs = pmap(lambda c: generate(url, kcbs_body(prompt_ids(tok, c[0]), c[1], c[2], c[3])), cases)
+    for (name, k, steps, prune), out in zip(cases, outs):
+        want = reference(model_path, prompt_ids(tok, name), k, steps, prune)
+        assert_candidates_match(out["meta_info"]["kcbs_candidates"], want, f"no radix cache: {name}")
+    reached, _, trace = wait_idle(url, timeout=60, baseline=base)
+    assert reached, f"KV usage did not return to {base}: {trace[-10:]}"

@@ -281,6 +281,9 @@ def test_validation_messages():
         validate_kcbs({"kcbs_enabled": True, "kcbs_beam_width": 2}, {"max_new_tokens": "4"}, False, None)
     with pytest.raises(RequestOptionError, match="streaming"):
         validate_kcbs({"kcbs_enabled": True, "kcbs_beam_width": 2}, {"max_new_tokens": 4}, True, None)
+    with pytest.raises(RequestOptionError, match="--page-size 1"):
+        validate_kcbs({"kcbs_enabled": True, "kcbs_beam_width": 2}, {"max_new_tokens": 4}, False,
+                      SimpleNamespace(speculative_algorithm=None, page_size=16))
     entry = validate_kcbs({"kcbs_enabled": True}, {"max_new_tokens": 4, "top_k": 3}, False, None)
     assert entry == {"kcbs_k": 3, "kcbs_steps": 4, "kcbs_keep_all": False}
 
