@@ -21,15 +21,16 @@ def shm(tmp_path, monkeypatch):
     return tmp_path
 
 
+@pytest.mark.parametrize("load", [False, True], ids=["mapped", "read"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_rows_round_trip_across_growing_files(shm, dtype):
+def test_rows_round_trip_across_growing_files(shm, dtype, load):
     rows = torch.randn(37, 24).to(dtype)
     seg = RowSegments(first_capacity=4)
     seg.append(rows[:5], range(10, 15))  # a prefill block bigger than the first file
     for i in range(5, 37):
         seg.append(rows[i], [10 + i])  # decode rows, one at a time
     assert len(os.listdir(shm)) >= 3
-    got, positions = read_rows(seg.handoff())
+    got, positions = read_rows(seg.handoff(), load=load)
     assert got.dtype == dtype and torch.equal(got, rows)
     assert positions == list(range(10, 47))
     assert os.listdir(shm) == []

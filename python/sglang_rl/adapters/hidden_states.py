@@ -232,8 +232,9 @@ def encodes(payload: Any) -> bool:
 def deliver(payload: dict) -> dict:
     """API side: select the wanted rows and encode them in the requested format."""
     wanted = payload["wanted"]
+    fmt = HiddenStatesFormat(payload["format"])
     if "handle" in payload:
-        rows, positions = read_rows(payload["handle"])
+        rows, positions = read_rows(payload["handle"], load=fmt is not HiddenStatesFormat.TENSOR)
     else:
         rows, positions = payload["rows"], payload["positions"]
     index = {p: i for i, p in enumerate(positions)}
@@ -247,7 +248,6 @@ def deliver(payload: dict) -> dict:
         rows = rows.index_select(0, torch.tensor(pick))
     else:
         rows = rows[pick[0]:pick[0] + len(pick)]
-    fmt = HiddenStatesFormat(payload["format"])
     if fmt is HiddenStatesFormat.BASE64:
         return {ROWS_FIELD: encode_rows(rows, wanted)}
     if fmt is HiddenStatesFormat.TENSOR:

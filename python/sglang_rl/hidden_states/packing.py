@@ -298,6 +298,12 @@ def _check_positions(positions: Sequence[int], n_rows: int) -> list[int]:
     return out
 
 
+def _b64_text(data: Any) -> str:
+    """Base64 of a buffer as str (pybase64 builds the str directly, without an ASCII bytes copy)."""
+    as_string = getattr(_b64, "b64encode_as_string", None)
+    return as_string(data) if as_string is not None else _b64.b64encode(data).decode("ascii")
+
+
 def encode_rows(rows: torch.Tensor, positions: Sequence[int]) -> dict[str, Any]:
     """Encode ``rows`` ``[n, H]`` as a JSON-safe dict with base64 raw bytes.
 
@@ -318,7 +324,7 @@ def encode_rows(rows: torch.Tensor, positions: Sequence[int]) -> dict[str, Any]:
     return {
         "dtype": name,
         "shape": [int(rows.shape[0]), int(rows.shape[1])],
-        "data": _b64.b64encode(raw.data).decode("ascii"),
+        "data": _b64_text(raw.data),
         "positions": pos,
     }
 

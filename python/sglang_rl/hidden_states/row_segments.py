@@ -157,27 +157,45 @@ class RowSegments:
         self._files, self.positions = [], []
 
 
-def read_rows(handle: dict[str, Any]) -> tuple[torch.Tensor, list[int]]:
-    """Map the files of a handle (unlinking them) and return `(rows [n, H], positions)`.
+def read_rows(handle: dict[str, Any], load: bool = False) -> tuple[torch.Tensor, list[int]]:
+    """Read the files of a handle (unlinking them) and return `(rows [n, H], positions)`.
 
-    One file is returned without a copy (the tensor keeps the mapping alive); several are
-    concatenated."""
+    `load=False` maps the files: one file is returned without a copy (the tensor keeps the mapping
+    alive), several are concatenated. `load=True` reads every file into one buffer with plain
+    `readinto` calls, for consumers that touch every byte at once (base64, lists): first touches
+    of freshly mapped shared memory fault page by page, which cost more than the copy."""
     dtype = _DTYPES[handle["dtype"]]
     hidden = int(handle["hidden"])
-    parts = []
+    files = [(path, int(used)) for path, used in handle["files"] if used]
     try:
-        for path, used in handle["files"]:
-            if used:
-                parts.append(
-                    torch.from_file(path, shared=True, size=used * hidden, dtype=dtype).view(used, hidden)
-                )
+        if not files:
+            rows = torch.empty(0, hidden, dtype=dtype)
+        elif load:
+            rows = _load(files, hidden, dtype)
+        else:
+            parts = [torch.from_file(path, shared=True, size=used * hidden, dtype=dtype).view(used, hidden)
+                     for path, used in files]
+            rows = parts[0] if len(parts) == 1 else torch.cat(parts)
     finally:
         discard_handle(handle)
-    if not parts:
-        rows = torch.empty(0, hidden, dtype=dtype)
-    else:
-        rows = parts[0] if len(parts) == 1 else torch.cat(parts)
     return rows, list(handle["positions"])
+
+
+def _load(files: list[tuple[str, int]], hidden: int, dtype: torch.dtype) -> torch.Tensor:
+    row_bytes = hidden * torch.empty(0, dtype=dtype).element_size()
+    total = sum(used for _, used in files)
+    buf = bytearray(total * row_bytes)
+    view = memoryview(buf)
+    at = 0
+    for path, used in files:
+        end = at + used * row_bytes
+        with open(path, "rb", buffering=0) as f:
+            while at < end:
+                got = f.readinto(view[at:end])
+                if not got:
+                    raise OSError(f"{path}: {end - at} bytes of hidden-state rows missing")
+                at += got
+    return torch.frombuffer(buf, dtype=dtype).view(total, hidden)
 
 
 def discard_handle(handle: dict[str, Any]) -> None:
