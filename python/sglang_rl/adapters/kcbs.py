@@ -51,7 +51,7 @@ _scheduler: Any = None
 
 
 def scheduler_init_after(result: None, scheduler: Any, *args: Any, **kwargs: Any) -> None:
-    """AFTER Scheduler.__init__: children are queued through the scheduler of this process."""
+    """AFTER Scheduler.__init__: beam requests are queued through the scheduler of this process."""
     global _scheduler
     _scheduler = scheduler
 
@@ -79,11 +79,9 @@ class KcbsSearch:
         self.beam_reqs: list[Any] = []
         # per beam forward: the KV slot each beam request allocated for its newest position
         self.owned: list[torch.Tensor] = []
-        self.slots_returned = False
         self.admitting: Any = None  # the PrefillAdder that is admitting this search's beams
         self.started = False
         self.done = False
-        self.aborted = False
         self._eos: Optional[set[int]] = None
 
     @property
@@ -293,7 +291,6 @@ def _abort(search: KcbsSearch, message: str, released: Optional[list], status_co
     if search.done:
         return
     search.done = True
-    search.aborted = True
     _active.pop(search.parent.rid, None)
     _stop_beams(search, FINISH_ABORT(message))
     p = search.parent
@@ -330,12 +327,12 @@ def filter_outputs(reqs: list) -> list:
             if req.finished() and not search.started:
                 search.started = True
                 if _is_abort(req):
-                    search.done = search.aborted = True  # sglang aborted it before any beam
+                    search.done = True  # sglang aborted it before any beam
                     out.append(req)
                     continue
                 top = _top_logprobs(req)
                 if top is None:
-                    search.done = search.aborted = True
+                    search.done = True
                     req.finished_reason = FINISH_ABORT(
                         f"k-CBS: no top log-probs for request {req.rid}", HTTPStatus.INTERNAL_SERVER_ERROR)
                     out.append(req)
@@ -483,9 +480,8 @@ def release_kv_cache_around(original: Callable, req: Any, tree_cache: Any, *args
 
 
 def _return_slots(search: KcbsSearch) -> None:
-    if search.slots_returned:
-        return
-    search.slots_returned = True
+    """Deal the recorded slots back into the beams' rows (once: `owned` is emptied, and a search
+    that has released a beam is done, so it records no more)."""
     if not search.owned:
         return
     table = _scheduler.req_to_token_pool.req_to_token
