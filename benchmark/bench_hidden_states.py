@@ -87,18 +87,22 @@ def run_group(args: argparse.Namespace, group: str) -> list[dict]:
             # free the previous mode's outputs before the clock starts: releasing upstream's list
             # rows (tens of millions of Python floats) took ~0.5-1.5 s and was charged to the
             # mode timed after it (full-binary) in v2/v3
-            outs = None
-            gc.collect()
-            # every mode prefills its prompts: without this, plain and LAST found the warm-up's
-            # prompts in the radix cache while FULL scope "all" recomputes them for their rows,
-            # so v1-v5 charged FULL with a prefill the baseline skipped
-            flushed = llm.flush_cache()
-            assert getattr(flushed, "success", True), f"flush_cache failed: {flushed}"
-            t = time.time()
-            outs = llm.generate(input_ids=prompts, sampling_params=sp, **kw)
-            dt = time.time() - t
-            toks = sum(o["meta_info"]["completion_tokens"] for o in outs)
-            row = {"shape": shape, "mode": name, "out_tok_per_s": round(toks / dt, 1),
+            rates = []
+            for _ in range(args.repeats):
+                outs = None
+                gc.collect()
+                # every mode prefills its prompts: without this, plain and LAST found the warm-up's
+                # prompts in the radix cache while FULL scope "all" recomputes them for their rows,
+                # so v1-v5 charged FULL with a prefill the baseline skipped
+                flushed = llm.flush_cache()
+                assert getattr(flushed, "success", True), f"flush_cache failed: {flushed}"
+                t = time.time()
+                outs = llm.generate(input_ids=prompts, sampling_params=sp, **kw)
+                dt = time.time() - t
+                rates.append(sum(o["meta_info"]["completion_tokens"] for o in outs) / dt)
+            rates.sort()
+            row = {"shape": shape, "mode": name, "out_tok_per_s": round(rates[len(rates) // 2], 1),
+                   "spread": f"{rates[0]:.0f}-{rates[-1]:.0f}",
                    "payload_MB_per_req": round(payload_bytes(outs[0]["meta_info"]) / 2**20, 2)}
             got = rows_of(outs[0]["meta_info"])
             if name == "full-list (upstream)":
@@ -120,6 +124,8 @@ def main() -> None:
                    help="requests x prompt tokens x output tokens")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES), metavar="MODE",
                    help="modes to time besides plain (default: all)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed runs per mode and shape; the table shows their median (runs of 64x128 last ~1 s)")
     p.add_argument("--group", help=argparse.SUPPRESS)
     args = parse_with_model(p)
     if args.group:
@@ -131,8 +137,9 @@ def main() -> None:
     for r in rows:
         r["vs_plain"] = round(r["out_tok_per_s"] / base[r["shape"]], 3)
     rows.sort(key=lambda r: (r["shape"], list(MODES).index(r["mode"])))
-    print("\nHidden-state delivery, greedy, ignore_eos; shape = requests x prompt x output tokens")
-    print_table(rows, ["shape", "mode", "out_tok_per_s", "vs_plain", "payload_MB_per_req", "rows_vs_list"])
+    print(f"\nHidden-state delivery, greedy, ignore_eos; shape = requests x prompt x output tokens; "
+          f"out_tok_per_s = median of {args.repeats} runs (spread: slowest-fastest)")
+    print_table(rows, ["shape", "mode", "out_tok_per_s", "spread", "vs_plain", "payload_MB_per_req", "rows_vs_list"])
 
 
 if __name__ == "__main__":

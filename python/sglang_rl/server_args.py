@@ -41,4 +41,9 @@ class RLServerArgs(ServerArgs):
     def __post_init__(self) -> None:
         if self.toploc_verification_topk < 1 or self.toploc_verification_topk > 4096:
             raise ValueError("--toploc-verification-topk must be between 1 and 4096")
+        if self.toploc_verification and self.speculative_algorithm:
+            raise ValueError(
+                "--toploc-verification does not support speculative decoding: a fingerprint is built "
+                "from one row per decode step, and a speculative step commits several tokens"
+            )
         super().__post_init__()

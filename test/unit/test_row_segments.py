@@ -116,7 +116,8 @@ def test_decode_steps_for_mixed_collectors(shm, monkeypatch, dtype):
     for s in range(steps):
         if s == 3:
             monkeypatch.setenv("SGLANG_RL_SHM_DIR", str(shm / "missing"))  # no new file from here
-        add_decode_rows([(a, prompt_len + s), (b, prompt_len + s), (c, prompt_len + s)], step_rows[s])
+        add_decode_rows([(a, 0, 1, prompt_len + s), (b, 1, 1, prompt_len + s), (c, 2, 1, prompt_len + s)],
+                        step_rows[s])
     assert c.segments is None and a.segments is not None
     monkeypatch.setenv("SGLANG_RL_SHM_DIR", str(shm))
     out_a = deliver(a.finish(output_len=steps + 1)[PAYLOAD_KEY])
@@ -129,3 +130,64 @@ def test_decode_steps_for_mixed_collectors(shm, monkeypatch, dtype):
     assert out_b["hidden_states_positions"] == [prompt_len + steps - 1]
     assert torch.equal(out_b["hidden_states"], step_rows[-1, 1:2])
     assert os.listdir(shm) == []
+
+
+@pytest.mark.parametrize("n_steps", range(30, 42))
+def test_speculative_steps_commit_runs_of_rows(shm, n_steps):
+    """Under speculative decoding a step gives each request a run of rows (its accepted tokens,
+    first in its block of `stride` rows), and the last step may run past the finish that sglang
+    decides afterwards: every scope must still deliver exactly the rows of committed positions,
+    LAST after many trims included, and in-memory collectors must not keep whole steps alive."""
+    from sglang_rl.adapters.hidden_states import PAYLOAD_KEY, RowCollector, add_decode_rows, deliver
+
+    full = HiddenStatesOptions(mode=HiddenStatesMode.FULL, format=HiddenStatesFormat.TENSOR,
+                               scope=HiddenStatesScope.ALL)
+    last = HiddenStatesOptions(mode=HiddenStatesMode.LAST, format=HiddenStatesFormat.TENSOR)
+    tail = HiddenStatesOptions(mode=HiddenStatesMode.FULL, format=HiddenStatesFormat.TENSOR,
+                               scope=HiddenStatesScope.LAST_N, last_n=5)
+    prompt_len, stride, hidden = 3, 4, 8
+    collectors = [RowCollector(opts, prompt_len, max_new_tokens=200) for opts in (full, last, tail)]
+    prompt = torch.randn(prompt_len, hidden)
+    for collector in collectors:
+        collector.add_prefill(prompt, last_chunk=True)
+    truth = {p: prompt[p] for p in range(prompt_len)}  # row of each position, as computed
+    generated = 1  # the prefill produced the first token
+    counts = [1 + (s * 7) % stride for s in range(n_steps - 1)] + [stride]  # runs of 1..4 tokens
+    for count in counts:
+        step = torch.randn(len(collectors) * stride, hidden)
+        position = prompt_len + generated - 1
+        for i in range(1, len(collectors)):  # every request gets the same run as request 0
+            step[i * stride:i * stride + count] = step[:count]
+        step[count:stride] = float("nan")  # rows of rejected drafts: never delivered
+        items = [(collector, i * stride, count, position) for i, collector in enumerate(collectors)]
+        add_decode_rows(items, step)
+        for j in range(count):
+            truth[position + j] = step[j]
+        generated += count
+    output_len = generated - 3  # the last step ran 3 tokens past the finish
+    expect_all = list(range(prompt_len + output_len - 1))
+    outs = [deliver(c.finish(output_len=output_len)[PAYLOAD_KEY]) for c in collectors]
+    for out, expect in zip(outs, (expect_all, expect_all[-1:], expect_all[-5:])):
+        assert out["hidden_states_positions"] == expect
+        assert torch.equal(out["hidden_states"], torch.stack([truth[p] for p in expect]))
+    assert os.listdir(shm) == []
+
+
+def test_in_memory_rows_are_bounded(shm):
+    """A last_n request copies its rows out of each step (it never holds a whole step's rows), and
+    LAST holds references to at most a few recent steps."""
+    from sglang_rl.adapters.hidden_states import TRIM_SLACK, RowCollector, add_decode_rows
+
+    tail = HiddenStatesOptions(mode=HiddenStatesMode.FULL, format=HiddenStatesFormat.TENSOR,
+                               scope=HiddenStatesScope.LAST_N, last_n=3)
+    last = HiddenStatesOptions(mode=HiddenStatesMode.LAST, format=HiddenStatesFormat.TENSOR)
+    a, b = RowCollector(tail, 2, max_new_tokens=500), RowCollector(last, 2, max_new_tokens=500)
+    steps = []
+    for s in range(300):
+        steps.append(torch.randn(64, 8))
+        add_decode_rows([(a, 0, 1, 2 + s), (b, 1, 1, 2 + s)], steps[-1])
+    assert len(a.rows) <= 3 + 2 * TRIM_SLACK and len(b.rows) <= 1 + 2 * TRIM_SLACK
+    assert all(block.shape[0] == 1 for block, _ in a.rows)
+    held = {id(block) for block, _ in b.rows}
+    assert len(held) <= 1 + 2 * TRIM_SLACK and held <= {id(t) for t in steps[-(1 + 2 * TRIM_SLACK):]}
+    a.discard(), b.discard()

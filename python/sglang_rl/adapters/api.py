@@ -91,6 +91,29 @@ def _prompt_len(obj: Any) -> Optional[int]:
     return None
 
 
+# speculative algorithms whose target forward yields the last-layer row of every committed token,
+# the accepted run first in each request's block of rows (see adapters/scheduler.py)
+SPECULATIVE_WITH_ROWS = ("EAGLE", "NEXTN")
+_SPECULATIVE_REFUSALS = {
+    "EAGLE3": "an EAGLE3 target captures auxiliary layers for its draft, not the last layer",
+    "STANDALONE": "a STANDALONE target does not capture rows in its prefill",
+    "NGRAM": "an NGRAM verify step does not move the accepted tree path to the front of its rows",
+}
+
+
+def _check_speculative_rows(algorithm: Optional[str]) -> None:
+    """Refuse hidden-state fields on a speculative server whose rows cannot follow the committed
+    tokens."""
+    if not algorithm or str(algorithm).upper() in SPECULATIVE_WITH_ROWS:
+        return
+    name = str(algorithm).upper()
+    reason = _SPECULATIVE_REFUSALS.get(name, "its verify step's rows are not known to follow the committed tokens")
+    raise RequestOptionError(
+        f"hidden_states_* fields are not supported with --speculative-algorithm {name}: {reason} "
+        f"(supported: {', '.join(SPECULATIVE_WITH_ROWS)})"
+    )
+
+
 def _hidden_states_entry(obj: Any, fields: dict, server_args: Any, in_process: bool) -> dict:
     """Validate the hidden-state fields; a request that uses them leaves upstream's path."""
     hs_fields = {k: fields.pop(k) for k in HIDDEN_STATES_FIELDS if k in fields}
@@ -108,8 +131,7 @@ def _hidden_states_entry(obj: Any, fields: dict, server_args: Any, in_process: b
             f"return_hidden_states={requested!r} needs a server started with "
             "--enable-return-hidden-states (or --return-hidden-states-mode full)"
         )
-    if getattr(server_args, "speculative_algorithm", None):
-        raise RequestOptionError("hidden_states_* fields are not supported with speculative decoding yet")
+    _check_speculative_rows(getattr(server_args, "speculative_algorithm", None))
     obj.return_hidden_states = False
     return hs_adapter.options_to_entry(opts)
 
@@ -263,16 +285,19 @@ def generate_request_around(original: Callable, manager: Any, obj: Any, request:
     async def run():
         prepare_request(obj, manager.server_args, in_process=request is None)
         async for out in original(manager, obj, request):
+            encoding = []
             for item in out if isinstance(out, list) else [out]:
                 if not isinstance(item, dict):
                     continue
                 if _encodes_rows(item):
-                    # base64 of megabytes of rows: in a worker thread (the SIMD encoder releases
-                    # the GIL), so requests finishing together encode in parallel and the event
-                    # loop keeps serving the others
-                    await asyncio.to_thread(_finish_meta, item, obj)
+                    encoding.append(item)
                 else:
                     _finish_meta(item, obj)
+            if encoding:
+                # base64 of megabytes of rows, in worker threads (reading the row files and the
+                # SIMD encoder both release the GIL): the outputs of a batch request, which arrive
+                # together, encode in parallel, and the event loop keeps serving other requests
+                await asyncio.gather(*(asyncio.to_thread(_finish_meta, item, obj) for item in encoding))
             yield out
 
     return run()

@@ -41,6 +41,7 @@ from sglang_rl.hidden_states.row_segments import RowSegments, read_rows, shm_dir
 logger = logging.getLogger(__name__)
 
 # custom_params["sglang_rl"] keys
+TRIM_SLACK = 16  # in-memory rows kept beyond the wanted ones before a trim (see RowCollector._trim)
 KEYS = ("hs_mode", "hs_format", "hs_scope", "hs_last_n", "hs_final")
 ROWS_FIELD = "hidden_states"
 PAYLOAD_KEY = "hidden_states_payload"
@@ -84,7 +85,9 @@ class RowCollector:
         self.options = options
         self.prompt_len = prompt_len
         self.stores = stores
-        self.rows: list[torch.Tensor] = []
+        # in-memory rows as (block, index) pairs, row = block[index]: a LAST request keeps a
+        # reference into its decode step's host rows instead of copying its row out each step
+        self.rows: list[tuple[torch.Tensor, int]] = []
         self.positions: list[int] = []
         self.segments: Optional[RowSegments] = None
         if stores and options.mode is HiddenStatesMode.FULL and options.scope is not HiddenStatesScope.LAST_N:
@@ -125,12 +128,30 @@ class RowCollector:
     def add_decode(self, row: torch.Tensor, position: int) -> None:
         self._add(row.unsqueeze(0), [position])
 
+    def add_step_rows(self, rows: torch.Tensor, start: int, count: int, position: int) -> None:
+        """Rows `start .. start+count-1` of a decode step's host rows, at consecutive positions
+        from `position`, kept in memory. LAST keeps references (the step's rows stay alive for
+        at most a few steps, see `_trim`); other scopes copy their rows out, so a request never
+        holds whole steps."""
+        if self.options.mode is HiddenStatesMode.LAST:
+            self.rows.extend((rows, start + j) for j in range(count))
+        else:
+            block = rows[start:start + count].clone()
+            self.rows.extend((block, j) for j in range(count))
+        self.positions.extend(range(position, position + count))
+        self._trim(count)
+
     def _add(self, block: torch.Tensor, positions: Any) -> None:
         if self._to_files(lambda segments: segments.append(block, positions)):
             return
-        self.rows.extend(block)
+        keep = self._keep()
+        positions = list(positions)
+        if keep is not None and len(positions) > keep:
+            block, positions = block[-keep:], positions[-keep:]
+        block = block.clone()  # never hold a view of a whole batch's rows
+        self.rows.extend((block, j) for j in range(block.shape[0]))
         self.positions.extend(positions)
-        self._trim()
+        self._trim(block.shape[0])
 
     def _to_files(self, store: Callable[[RowSegments], None]) -> bool:
         """Run `store` on this request's files. False if it has none, or if shared memory just
@@ -147,18 +168,28 @@ class RowCollector:
 
     def _to_memory(self) -> None:
         """Shared memory ran out: keep this request's rows in process memory from now on."""
-        rows, positions = read_rows(self.segments.handoff())
+        rows, positions = read_rows(self.segments.handoff(), load=True)
         self.segments = None
-        self.rows, self.positions = list(rows.clone()), positions
+        self.rows, self.positions = [(rows, j) for j in range(rows.shape[0])], positions
 
-    def _trim(self) -> None:
-        keep = None
+    def _keep(self) -> Optional[int]:
+        """How many of the newest rows can still be wanted (None: all of them)."""
         if self.options.mode is HiddenStatesMode.LAST:
-            keep = 1
-        elif self.options.scope is HiddenStatesScope.LAST_N:
-            keep = self.options.last_n
-        if keep is not None and len(self.rows) > 2 * keep + 64:
-            del self.rows[:-keep], self.positions[:-keep]
+            return 1
+        if self.options.scope is HiddenStatesScope.LAST_N:
+            return self.options.last_n
+        return None
+
+    def _trim(self, added: int) -> None:
+        """Drop rows that can no longer be wanted. The newest `added` rows (one step's) are all
+        kept: under speculative decoding a step's last rows may lie past the finish, which sglang
+        only decides afterwards, so the wanted row can be up to `added - 1` rows back."""
+        keep = self._keep()
+        if keep is None:
+            return
+        slack = max(TRIM_SLACK, added)
+        if len(self.rows) > keep + 2 * slack:
+            del self.rows[:-(keep + slack)], self.positions[:-(keep + slack)]
 
     def finish(self, output_len: int) -> dict:
         """The delivery payload: wanted positions plus the rows (a file handle, or inline)."""
@@ -174,7 +205,7 @@ class RowCollector:
         else:
             index = {p: i for i, p in enumerate(self.positions)}
             keep = [index[p] for p in wanted if p in index]
-            payload["rows"] = torch.stack([self.rows[i] for i in keep]) if keep else None
+            payload["rows"] = torch.stack([self.rows[i][0][self.rows[i][1]] for i in keep]) if keep else None
             payload["positions"] = [self.positions[i] for i in keep]
         self.rows, self.positions = [], []
         return {PAYLOAD_KEY: payload}
@@ -187,20 +218,23 @@ class RowCollector:
         self.rows, self.positions = [], []
 
 
-def add_decode_rows(items: list[tuple[RowCollector, int]], rows: torch.Tensor) -> None:
-    """One decode step: row i of `rows` (host) at position `items[i][1]` for collector `items[i][0]`.
+def add_decode_rows(items: list[tuple[RowCollector, int, int, int]], rows: torch.Tensor) -> None:
+    """One decode step's rows (host `[n, H]`): item `(collector, start, count, position)` gives
+    the collector rows `start .. start+count-1` at positions `position ..` (count > 1 when a
+    speculative step commits several tokens).
 
-    Collectors with files get their row as one numpy copy from a single host view of the whole
+    Collectors with files get their rows as one numpy copy from a single host view of the whole
     step (a tensor op per request and row cost ~25 us, i.e. ~10% of a 64-request 8B decode step);
-    in-memory collectors (LAST, last_n) keep a tensor row."""
+    in-memory collectors (LAST, last_n) take references or small copies (`add_step_rows`)."""
     view = None
-    for i, (collector, position) in enumerate(items):
+    for collector, start, count, position in items:
         if collector.segments is not None:
             if view is None:
                 view = host_view(rows)
-            if collector._to_files(lambda segments: segments.append_host(view[i], (position,), rows.dtype)):
+            if collector._to_files(lambda segments: segments.append_host(
+                    view[start:start + count], range(position, position + count), rows.dtype)):
                 continue
-        collector.add_decode(rows[i], position)
+        collector.add_step_rows(rows, start, count, position)
 
 
 _warned = False

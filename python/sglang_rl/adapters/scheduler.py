@@ -139,11 +139,14 @@ def prefill_result_around(original: Callable, processor: Any, batch: Any, result
     """AROUND process_batch_result_prefill: route prefill rows, then let sglang process the batch."""
     hidden = _hidden_rows(batch, result) if processor.is_generation and _rows_wanted(processor) else None
     if hidden is not None:
-        mode = processor._get_prefill_hidden_capture_mode(batch, processor.server_args)
+        # FULL capture gives a row per extended token, LAST one per request. Count rows rather
+        # than ask the batch's mode: an EAGLE worker captures its target's prefill FULL whatever
+        # the requests asked for
+        full = hidden.shape[0] >= sum(result.extend_input_len_per_req)
         builders, last_rows = [], []
         offset = 0
         for i, req in enumerate(batch.reqs):
-            n = result.extend_input_len_per_req[i] if mode.is_full() else 1
+            n = result.extend_input_len_per_req[i] if full else 1
             lo, hi = offset, offset + n
             offset = hi
             if (req.finished() and req.inflight_middle_chunks <= 0) or req.is_retracted:
@@ -152,7 +155,7 @@ def prefill_result_around(original: Callable, processor: Any, batch: Any, result
             if collector is not None and not collector.done and collector.stores:
                 last_chunk = req.inflight_middle_chunks <= 0
                 end = len(req.origin_input_ids) + len(req.output_ids)  # > prompt after a retraction
-                if collector.needs_prompt_rows and mode.is_full():
+                if collector.needs_prompt_rows and full:
                     collector.add_prefill(_take(hidden, range(lo, hi)), last_chunk, end)
                 elif last_chunk:
                     collector.add_prefill(_take(hidden, [hi - 1]), True, end)
@@ -170,18 +173,24 @@ def prefill_result_around(original: Callable, processor: Any, batch: Any, result
 
 
 def decode_result_around(original: Callable, processor: Any, batch: Any, result: Any) -> Any:
-    """AROUND process_batch_result_decode: the row of each running request produced its token."""
+    """AROUND process_batch_result_decode: the row of each running request produced its token.
+
+    Under speculative decoding a request's block of `speculative_num_draft_tokens` rows starts
+    with its accepted run (the worker moves the accepted tree path to the front): its first
+    `accept_lens[i]` rows are those of the committed tokens, in order."""
     hidden = _hidden_rows(batch, result) if _rows_wanted(processor) else None
     if hidden is not None:
         stride = result.speculative_num_draft_tokens or 1
+        accepted = result.accept_lens.tolist() if result.accept_lens is not None else None
         builders, rows = [], []
-        collectors, collector_rows = [], []
+        collectors = []
         for i, req in enumerate(batch.reqs):
             collector = getattr(req, HS_ATTR, None)
             if (collector is not None and collector.stores and not collector.done
                     and not (req.finished() or req.is_retracted)):
-                collectors.append((collector, len(req.origin_input_ids) + len(req.output_ids) - 1))
-                collector_rows.append(i * stride)
+                count = accepted[i] if accepted is not None else 1
+                position = len(req.origin_input_ids) + len(req.output_ids) - 1
+                collectors.append((collector, i * stride, count, position))
             state = getattr(req, STATE_ATTR, None)
             if isinstance(state, toploc.FingerprintBuilder) and not state.done:
                 if not (req.finished() or req.is_retracted):
@@ -190,8 +199,17 @@ def decode_result_around(original: Callable, processor: Any, batch: Any, result:
         if builders:
             toploc.add_builder_rows(builders, _take(hidden, rows), _topk())
         if collectors:
-            hidden_states.add_decode_rows(collectors, _take(hidden, collector_rows))
+            hidden_states.add_decode_rows(collectors, _private_host_rows(hidden, processor))
     return original(processor, batch, result)
+
+
+def _private_host_rows(hidden: torch.Tensor, processor: Any) -> torch.Tensor:
+    """The step's rows on the host in a tensor that sglang will not reuse (LAST collectors keep
+    references to it): on a GPU that is sglang's own fresh host copy of the batch results; on a
+    CPU server the rows are the forward's output itself, so they are copied once."""
+    if processor.server_args.device == "cpu":
+        return hidden.clone()
+    return hidden.to("cpu")
 
 
 def _topk() -> int:
