@@ -5,11 +5,14 @@ The kit of ../shared/gpu has no `deep_gemm`, which sglang 0.5.17's EAGLE worker 
 `layers/attention/dsa_backend.py`) while it lists the attention backends that can capture draft
 CUDA graphs. With triton attention on a Llama model nothing from it is called. A finder at the end
 of `sys.meta_path` answers only for these names, and only when no real module is installed; any
-attribute of a stand-in module is a function that raises if it is ever called.
+attribute of a stand-in module is a function that raises if it is ever called. sglang enables its
+DeepGEMM paths whenever `deep_gemm` imports, so they are switched off here
+(SGLANG_ENABLE_JIT_DEEPGEMM=0), as they are without the module.
 """
 
 import importlib.abc
 import importlib.machinery
+import os
 import sys
 import types
 
@@ -42,4 +45,5 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return None
 
 
+os.environ.setdefault("SGLANG_ENABLE_JIT_DEEPGEMM", "0")
 sys.meta_path.append(_Finder())
