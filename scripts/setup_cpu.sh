@@ -21,6 +21,12 @@ fi
 SITE=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 cp scripts/cpu_shims/sglang_rl_cpu_shim.pth scripts/cpu_shims/_sglang_rl_cpu_shim.py "$SITE/"
 rm -rf "$SITE/sgl_kernel" && cp -r scripts/cpu_shims/sgl_kernel "$SITE/sgl_kernel"
+# the stand-in's own sglang plugin (speculative-verify attention for torch_native), found by entry point
+rm -rf "$SITE"/sgl_kernel_cpu_standin-*.dist-info && cp -r scripts/cpu_shims/sgl_kernel_cpu_standin-0.0.0.dist-info "$SITE/"
+# NGRAM's n-gram corpus is C++ that sglang compiles on first use; its header lacks <cstddef> for
+# GCC 12+, so build (and cache, in ~/.cache/tvm-ffi) it once here with the include forced
+CXX="${CXX:-c++} -include cstddef" "$VENV/bin/python" -c \
+  "from sglang.kernels.ops.speculative.ngram_corpus import get_ngram_corpus_cls as g; g()" >/dev/null
 $PIP install -q --no-deps --no-build-isolation -e python
 "$VENV/bin/python" -c "import sglang, toploc, sglang_rl; print('sglang', sglang.__version__, '| toploc ok | sglang_rl ok')"
 touch "$VENV/.setup-stamp"

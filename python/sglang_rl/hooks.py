@@ -25,7 +25,7 @@ class Hook(NamedTuple):
 
 def hook_table() -> list[Hook]:
     """All hooks of the plugin (imports are local so that importing this module stays cheap)."""
-    from sglang_rl.adapters import api, kcbs, openai, scheduler
+    from sglang_rl.adapters import api, kcbs, openai, scheduler, speculative
     from sglang_rl.server_args import RLServerArgs
 
     R, A, B, AF = HookType.REPLACE, HookType.AROUND, HookType.BEFORE, HookType.AFTER
@@ -92,7 +92,11 @@ def hook_table() -> list[Hook]:
              "route prefill rows to fingerprint builders / verifications"),
         Hook(f"{SCHED}.batch_result_processor.SchedulerBatchResultProcessor"
              ".process_batch_result_decode", A, scheduler.decode_result_around,
-             "route each decode step's rows to fingerprint builders"),
+             "route each decode step's rows (a speculative step's accepted run) to fingerprint "
+             "builders and hidden-state requests"),
+        Hook(f"{SRT}.speculative.eagle_utils.eagle_sample", A, speculative.ngram_sample_around,
+             "an NGRAM verify step's accepted rows move to the front of each request's block, "
+             "where EAGLE's worker puts them"),
         Hook(f"{SCHED}.output_streamer.SchedulerOutputStreamer.stream_output", B,
              scheduler.stream_output_before,
              "drive k-CBS searches (hide beam requests, release finished searches); prove the "

@@ -16,6 +16,7 @@ from typing import Any, AsyncIterator, Callable, Optional
 from sglang.srt.managers.io_struct import GenerateReqInput
 
 from sglang_rl.adapters import hidden_states as hs_adapter
+from sglang_rl.adapters import speculative
 from sglang_rl.adapters.kcbs import CANDIDATES_FIELD
 from sglang_rl.adapters import transport
 from sglang_rl.adapters.toploc import FINGERPRINTS_FIELD, RESULT_FIELD
@@ -91,29 +92,6 @@ def _prompt_len(obj: Any) -> Optional[int]:
     return None
 
 
-# speculative algorithms whose target forward yields the last-layer row of every committed token,
-# the accepted run first in each request's block of rows (see adapters/scheduler.py)
-SPECULATIVE_WITH_ROWS = ("EAGLE", "NEXTN")
-_SPECULATIVE_REFUSALS = {
-    "EAGLE3": "an EAGLE3 target captures auxiliary layers for its draft, not the last layer",
-    "STANDALONE": "a STANDALONE target does not capture rows in its prefill",
-    "NGRAM": "an NGRAM verify step does not move the accepted tree path to the front of its rows",
-}
-
-
-def _check_speculative_rows(algorithm: Optional[str]) -> None:
-    """Refuse hidden-state fields on a speculative server whose rows cannot follow the committed
-    tokens."""
-    if not algorithm or str(algorithm).upper() in SPECULATIVE_WITH_ROWS:
-        return
-    name = str(algorithm).upper()
-    reason = _SPECULATIVE_REFUSALS.get(name, "its verify step's rows are not known to follow the committed tokens")
-    raise RequestOptionError(
-        f"hidden_states_* fields are not supported with --speculative-algorithm {name}: {reason} "
-        f"(supported: {', '.join(SPECULATIVE_WITH_ROWS)})"
-    )
-
-
 def _hidden_states_entry(obj: Any, fields: dict, server_args: Any, in_process: bool) -> dict:
     """Validate the hidden-state fields; a request that uses them leaves upstream's path."""
     hs_fields = {k: fields.pop(k) for k in HIDDEN_STATES_FIELDS if k in fields}
@@ -131,7 +109,7 @@ def _hidden_states_entry(obj: Any, fields: dict, server_args: Any, in_process: b
             f"return_hidden_states={requested!r} needs a server started with "
             "--enable-return-hidden-states (or --return-hidden-states-mode full)"
         )
-    _check_speculative_rows(getattr(server_args, "speculative_algorithm", None))
+    speculative.check_rows_supported(getattr(server_args, "speculative_algorithm", None))
     obj.return_hidden_states = False
     return hs_adapter.options_to_entry(opts)
 
