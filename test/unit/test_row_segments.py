@@ -191,3 +191,22 @@ def test_in_memory_rows_are_bounded(shm):
     held = {id(block) for block, _ in b.rows}
     assert len(held) <= 1 + 2 * TRIM_SLACK and held <= {id(t) for t in steps[-(1 + 2 * TRIM_SLACK):]}
     a.discard(), b.discard()
+
+
+def test_encoded_deliveries_do_not_share_the_reused_buffer(shm):
+    """base64 and list deliveries read into one reusable buffer per thread: each result must stay
+    its own after the next delivery overwrites that buffer."""
+    from sglang_rl.adapters.hidden_states import PAYLOAD_KEY, RowCollector, deliver
+    from sglang_rl.hidden_states import decode_rows
+
+    results, expected = [], []
+    for n, fmt in enumerate([HiddenStatesFormat.BASE64, HiddenStatesFormat.LIST, HiddenStatesFormat.BASE64]):
+        opts = HiddenStatesOptions(mode=HiddenStatesMode.FULL, format=fmt, scope=HiddenStatesScope.ALL)
+        collector = RowCollector(opts, prompt_len=5 + n, max_new_tokens=1)
+        rows = torch.randn(5 + n, 16)
+        collector.add_prefill(rows, last_chunk=True)
+        results.append((fmt, deliver(collector.finish(output_len=0)[PAYLOAD_KEY])))
+        expected.append(rows)
+    for (fmt, out), rows in zip(results, expected):
+        got = decode_rows(out["hidden_states"])[0] if fmt is HiddenStatesFormat.BASE64 else torch.tensor(out["hidden_states"])
+        assert torch.equal(got, rows)

@@ -268,7 +268,10 @@ def deliver(payload: dict) -> dict:
     wanted = payload["wanted"]
     fmt = HiddenStatesFormat(payload["format"])
     if "handle" in payload:
-        rows, positions = read_rows(payload["handle"], load=fmt is not HiddenStatesFormat.TENSOR)
+        # tensors keep their mapped files; base64 and lists are encoded before this returns, so
+        # they read into the delivering thread's reusable buffer
+        encoded = fmt is not HiddenStatesFormat.TENSOR
+        rows, positions = read_rows(payload["handle"], load=encoded, scratch=encoded)
     else:
         rows, positions = payload["rows"], payload["positions"]
     index = {p: i for i, p in enumerate(positions)}

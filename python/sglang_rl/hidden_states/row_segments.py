@@ -18,6 +18,7 @@ import itertools
 import mmap
 import os
 import tempfile
+import threading
 import time
 from collections import deque
 from typing import Any, Optional, Sequence
@@ -28,6 +29,7 @@ import torch
 from sglang_rl.hidden_states.packing import host_view
 
 STALE_AFTER_S = 600.0
+SCRATCH_MAX_BYTES = 32 << 20  # per delivery thread: reused read buffers stay below this
 FIRST_CAPACITY_ROWS = 256
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -36,6 +38,7 @@ _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 _counter = itertools.count()
 _live: set[str] = set()
 _handed: deque[tuple[float, list[str]]] = deque()
+_scratch = threading.local()
 
 
 def shm_dir() -> str:
@@ -157,13 +160,17 @@ class RowSegments:
         self._files, self.positions = [], []
 
 
-def read_rows(handle: dict[str, Any], load: bool = False) -> tuple[torch.Tensor, list[int]]:
+def read_rows(handle: dict[str, Any], load: bool = False,
+              scratch: bool = False) -> tuple[torch.Tensor, list[int]]:
     """Read the files of a handle (unlinking them) and return `(rows [n, H], positions)`.
 
     `load=False` maps the files: one file is returned without a copy (the tensor keeps the mapping
     alive), several are concatenated. `load=True` reads every file into one buffer with plain
     `readinto` calls, for consumers that touch every byte at once (base64, lists): first touches
-    of freshly mapped shared memory fault page by page, which cost more than the copy."""
+    of freshly mapped shared memory fault page by page, which cost more than the copy.
+    `scratch=True` (with `load`) reads into this thread's reusable buffer (`scratch_buffer`): the
+    rows are then valid only until the thread's next scratch read, for a consumer that encodes
+    them right away."""
     dtype = _DTYPES[handle["dtype"]]
     hidden = int(handle["hidden"])
     files = [(path, int(used)) for path, used in handle["files"] if used]
@@ -171,7 +178,7 @@ def read_rows(handle: dict[str, Any], load: bool = False) -> tuple[torch.Tensor,
         if not files:
             rows = torch.empty(0, hidden, dtype=dtype)
         elif load:
-            rows = _load(files, hidden, dtype)
+            rows = _load(files, hidden, dtype, scratch)
         else:
             parts = [torch.from_file(path, shared=True, size=used * hidden, dtype=dtype).view(used, hidden)
                      for path, used in files]
@@ -181,11 +188,24 @@ def read_rows(handle: dict[str, Any], load: bool = False) -> tuple[torch.Tensor,
     return rows, list(handle["positions"])
 
 
-def _load(files: list[tuple[str, int]], hidden: int, dtype: torch.dtype) -> torch.Tensor:
+def scratch_buffer(nbytes: int) -> memoryview:
+    """`nbytes` of this thread's reusable read buffer (a fresh one above SCRATCH_MAX_BYTES).
+
+    Reading every delivery into a new buffer paid for faulting its pages in and for releasing it
+    again, on every request; on the 16-core H200 host, 64 deliveries in 20 threads then took as
+    long as in one (docs/benchmarks.md, bench_row_path)."""
+    if nbytes > SCRATCH_MAX_BYTES:
+        return memoryview(bytearray(nbytes))
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or len(buf) < nbytes:
+        buf = _scratch.buf = bytearray(max(nbytes, 2 * len(buf or b"")))
+    return memoryview(buf)[:nbytes]
+
+
+def _load(files: list[tuple[str, int]], hidden: int, dtype: torch.dtype, scratch: bool = False) -> torch.Tensor:
     row_bytes = hidden * torch.empty(0, dtype=dtype).element_size()
     total = sum(used for _, used in files)
-    buf = bytearray(total * row_bytes)
-    view = memoryview(buf)
+    view = scratch_buffer(total * row_bytes) if scratch else memoryview(bytearray(total * row_bytes))
     at = 0
     for path, used in files:
         end = at + used * row_bytes
@@ -195,7 +215,7 @@ def _load(files: list[tuple[str, int]], hidden: int, dtype: torch.dtype) -> torc
                 if not got:
                     raise OSError(f"{path}: {end - at} bytes of hidden-state rows missing")
                 at += got
-    return torch.frombuffer(buf, dtype=dtype).view(total, hidden)
+    return torch.frombuffer(view, dtype=dtype).view(total, hidden)
 
 
 def discard_handle(handle: dict[str, Any]) -> None:
