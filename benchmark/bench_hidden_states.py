@@ -68,7 +68,12 @@ def run_group(args: argparse.Namespace, group: str) -> list[dict]:
     import sglang as sgl
 
     names = ["plain"] if group == "plain" else [m for m in MODES if m != "plain" and m in args.modes]
-    extra = {} if group == "plain" else {"enable_return_hidden_states": True}
+    if group == "plain":
+        extra = {}
+    elif args.server_mode == "last":
+        extra = {"return_hidden_states_mode": "last"}
+    else:
+        extra = {"enable_return_hidden_states": True}
     llm = sgl.Engine(**engine_kwargs(args.model_path, args.dummy, not args.cpu, **extra))
     rows = []
     reference = None  # upstream's FULL list rows of the first request: every FULL format must match
@@ -126,6 +131,9 @@ def main() -> None:
                    help="modes to time besides plain (default: all)")
     p.add_argument("--repeats", type=int, default=3,
                    help="timed runs per mode and shape; the table shows their median (runs of 64x128 last ~1 s)")
+    p.add_argument("--server-mode", choices=["full", "last"], default="full",
+                   help="the hidden-state Engine's capture: --enable-return-hidden-states (full) or "
+                        "--return-hidden-states-mode last (LAST modes only)")
     p.add_argument("--group", help=argparse.SUPPRESS)
     args = parse_with_model(p)
     if args.group:
