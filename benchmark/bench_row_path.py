@@ -21,9 +21,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import print_table  # noqa: E402
 
 
-def measure(requests: int, tokens: int, hidden: int, fmt: str) -> dict:
-    """Prompt and output of `tokens` each: store every row as the scheduler hooks do, then deliver."""
-    from sglang_rl.adapters.hidden_states import PAYLOAD_KEY, RowCollector, add_decode_rows, deliver
+def _store(requests: int, tokens: int, hidden: int, fmt: str) -> tuple[list, dict]:
+    """Prompt and output of `tokens` each for `requests` fresh requests: store every row as the
+    scheduler hooks do and finish them. Returns the delivery payloads and the timings."""
+    from sglang_rl.adapters.hidden_states import PAYLOAD_KEY, RowCollector, add_decode_rows
     from sglang_rl.hidden_states import HiddenStatesFormat, HiddenStatesMode, HiddenStatesOptions, HiddenStatesScope
 
     opts = HiddenStatesOptions(mode=HiddenStatesMode.FULL, format=HiddenStatesFormat(fmt), scope=HiddenStatesScope.ALL)
@@ -42,18 +43,21 @@ def measure(requests: int, tokens: int, hidden: int, fmt: str) -> dict:
     t = time.perf_counter()
     payloads = [c.finish(output_len=tokens)[PAYLOAD_KEY] for c in collectors]
     finish = time.perf_counter() - t
+    return payloads, {"prefill_ms": round(prefill * 1e3), "decode_ms_per_step": round(decode / tokens * 1e3, 3),
+                      "finish_ms": round(finish * 1e3)}
+
+
+def measure(requests: int, tokens: int, hidden: int, fmt: str) -> dict:
+    """Store and deliver one batch's rows; then store them again and deliver them the way the API
+    adapter does for a batch request: every output in a worker thread, all at once."""
+    from sglang_rl.adapters.hidden_states import deliver
+
+    payloads, row = _store(requests, tokens, hidden, fmt)
     t = time.perf_counter()
     for p in payloads:
         deliver(p)
     delivered = time.perf_counter() - t
-    # the same rows again, delivered the way the API adapter does for a batch request: every
-    # output in a worker thread, all at once
-    for i, c in enumerate(collectors):
-        c.done = False
-        c.add_prefill(prompt_rows[i * tokens:(i + 1) * tokens], last_chunk=True)
-    for s in range(tokens):
-        add_decode_rows([(c, i, 1, tokens + s) for i, c in enumerate(collectors)], step_rows)
-    payloads = [c.finish(output_len=tokens)[PAYLOAD_KEY] for c in collectors]
+    payloads, _ = _store(requests, tokens, hidden, fmt)
 
     async def deliver_all() -> None:
         await asyncio.gather(*(asyncio.to_thread(deliver, p) for p in payloads))
@@ -61,10 +65,8 @@ def measure(requests: int, tokens: int, hidden: int, fmt: str) -> dict:
     t = time.perf_counter()
     asyncio.run(deliver_all())
     threaded = time.perf_counter() - t
-    return {"shape": f"{requests}x{tokens}x{tokens}", "format": fmt,
-            "prefill_ms": round(prefill * 1e3), "decode_ms_per_step": round(decode / tokens * 1e3, 3),
-            "finish_ms": round(finish * 1e3), "deliver_ms": round(delivered * 1e3),
-            "deliver_threads_ms": round(threaded * 1e3)}
+    return {"shape": f"{requests}x{tokens}x{tokens}", "format": fmt, **row,
+            "deliver_ms": round(delivered * 1e3), "deliver_threads_ms": round(threaded * 1e3)}
 
 
 def main() -> None:

@@ -76,7 +76,7 @@ def test_stale_handed_files_are_reaped(shm, monkeypatch):
 
 
 def test_collector_falls_back_to_memory_when_shared_memory_fails(shm, monkeypatch):
-    from sglang_rl.adapters.hidden_states import PAYLOAD_KEY, RowCollector, deliver
+    from sglang_rl.adapters.hidden_states import PAYLOAD_KEY, RowCollector, add_decode_rows, deliver
 
     opts = HiddenStatesOptions(mode=HiddenStatesMode.FULL, format=HiddenStatesFormat.TENSOR,
                                scope=HiddenStatesScope.ALL)
@@ -85,8 +85,8 @@ def test_collector_falls_back_to_memory_when_shared_memory_fails(shm, monkeypatc
     rows = torch.randn(6, 8)
     collector.add_prefill(rows[:4], last_chunk=True)
     monkeypatch.setenv("SGLANG_RL_SHM_DIR", str(shm / "missing"))  # the next file cannot be made
-    collector.add_decode(rows[4], 4)
-    collector.add_decode(rows[5], 5)
+    add_decode_rows([(collector, 4, 1, 4)], rows)
+    add_decode_rows([(collector, 5, 1, 5)], rows)
     assert collector.segments is None
     out = deliver(collector.finish(output_len=3)[PAYLOAD_KEY])
     assert out["hidden_states_positions"] == list(range(6))

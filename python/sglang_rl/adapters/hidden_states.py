@@ -125,9 +125,6 @@ class RowCollector:
             end = self.prompt_len if end is None else end
             self._add(block, range(end - block.shape[0], end))
 
-    def add_decode(self, row: torch.Tensor, position: int) -> None:
-        self._add(row.unsqueeze(0), [position])
-
     def add_step_rows(self, rows: torch.Tensor, start: int, count: int, position: int) -> None:
         """Rows `start .. start+count-1` of a decode step's host rows, at consecutive positions
         from `position`, kept in memory. LAST keeps references (the step's rows stay alive for
@@ -205,7 +202,7 @@ class RowCollector:
         else:
             index = {p: i for i, p in enumerate(self.positions)}
             keep = [index[p] for p in wanted if p in index]
-            payload["rows"] = torch.stack([self.rows[i][0][self.rows[i][1]] for i in keep]) if keep else None
+            payload["rows"] = torch.stack([block[j] for block, j in (self.rows[i] for i in keep)]) if keep else None
             payload["positions"] = [self.positions[i] for i in keep]
         self.rows, self.positions = [], []
         return {PAYLOAD_KEY: payload}
