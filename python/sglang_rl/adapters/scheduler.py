@@ -193,7 +193,9 @@ def decode_result_around(original: Callable, processor: Any, batch: Any, result:
                 collectors.append((collector, i * stride, count, position))
             state = getattr(req, STATE_ATTR, None)
             if isinstance(state, toploc.FingerprintBuilder) and not state.done:
-                if not (req.finished() or req.is_retracted):
+                # the deferred step of return_final_hidden_state samples a token that is never
+                # returned: its row must not enter the fingerprint, which covers output_ids only
+                if not (req.finished() or req.is_retracted or _in_final_row_step(collector)):
                     builders.append(state)
                     rows.append(i * stride)
         if builders:
@@ -201,6 +203,12 @@ def decode_result_around(original: Callable, processor: Any, batch: Any, result:
         if collectors:
             hidden_states.add_decode_rows(collectors, _private_host_rows(hidden, processor))
     return original(processor, batch, result)
+
+
+def _in_final_row_step(collector: Any) -> bool:
+    """Whether this decode step is the extra one that return_final_hidden_state deferred the
+    request's finish for (its token was sampled past the request's end)."""
+    return collector is not None and collector.deferred is not None
 
 
 def _private_host_rows(hidden: torch.Tensor, processor: Any) -> torch.Tensor:
