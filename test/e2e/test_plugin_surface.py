@@ -63,6 +63,16 @@ ENGINE_SCRIPT = textwrap.dedent('''
                                     toploc_verification_fingerprint_to_validate=fp,
                                     toploc_verification_expect_greedy=True)
             result["verification"] = check["meta_info"]
+            # a batch: each prompt's own fingerprint as a per-item kwarg list (lengths differ)
+            outs = engine.generate(["Name a color:", "Count to five:", "Hello"],
+                                   [{"max_new_tokens": n, "temperature": 0} for n in (3, 9, 6)],
+                                   return_input_ids=True, return_output_ids=True)
+            batch = engine.generate(
+                input_ids=[o["meta_info"]["input_ids"] + o["meta_info"]["output_ids"] for o in outs],
+                sampling_params={"max_new_tokens": 0},
+                toploc_verification_fingerprint_to_validate=[
+                    o["meta_info"]["toploc_verification_fingerprints"][-1] for o in outs])
+            result["batch_verification"] = [b["meta_info"] for b in batch]
         finally:
             print("RESULT " + json.dumps(result), flush=True)
             engine.shutdown()
@@ -155,6 +165,16 @@ def test_engine_takes_the_flag_and_returns_fingerprints(launched, toploc_server)
     assert server["input_ids"] == meta["input_ids"]
     status, cross = verify_tokens(toploc_server.url, meta["input_ids"] + meta["output_ids"], fps[-1])
     assert status == 200 and cross["verified"] is True, cross
+
+
+def test_engine_batch_verification_per_item(launched) -> None:
+    """Engine.generate with a list of prompts and a per-item list of fingerprints: each item is
+    verified against its own (the responses have 3, 9 and 6 tokens)."""
+    result = _engine_result(launched)
+    assert "batch_verification" in result, launched["outputs"]["engine"][1][-3000:]
+    reports = [json.loads(meta_result(m)) for m in result["batch_verification"]]
+    assert [r["verified"] for r in reports] == [True, True, True], reports
+    assert [r["response_tokens"] for r in reports] == [3, 9, 6]
 
 
 def meta_result(meta: dict) -> str:
