@@ -26,6 +26,7 @@ class Hook(NamedTuple):
 def hook_table() -> list[Hook]:
     """All hooks of the plugin (imports are local so that importing this module stays cheap)."""
     from sglang_rl.adapters import api, kcbs, openai, scheduler, speculative
+    from sglang_rl.adapters import cotrain, cotrain_api, drafter_weights, drafter_weights_api
     from sglang_rl.server_args import RLServerArgs
 
     R, A, B, AF = HookType.REPLACE, HookType.AROUND, HookType.BEFORE, HookType.AFTER
@@ -104,6 +105,44 @@ def hook_table() -> list[Hook]:
         Hook(f"{SCHED}.output_streamer._GenerationStreamAccumulator.accept", A,
              scheduler.output_accept_around,
              "finalise verification reports and send queued results with the request's output"),
+        # --- draft-only weight updates ----------------------------------------------------
+        Hook(f"{SRT}.managers.scheduler.Scheduler.init_request_dispatcher", AF,
+             drafter_weights.request_dispatcher_after,
+             "the scheduler decodes the draft-only weight requests and dispatches them to the draft"),
+        Hook(f"{SCHED}.weight_updater.SchedulerWeightUpdaterManager.update_weights_from_tensor", A,
+             drafter_weights.target_update_from_tensor_around,
+             "with an EAGLE-1/2 draft, a target update goes to the target only (sglang also feeds "
+             "its names to the draft), then the draft's shared embed/head are re-checked"),
+        Hook(f"{SCHED}.weight_updater.SchedulerWeightUpdaterManager.update_weights_from_disk", A,
+             drafter_weights.target_update_from_disk_around,
+             "with an EAGLE-1/2 draft, the target's checkpoint loads into the target only (sglang "
+             "also reads it into the draft and repoints the draft's model_path)"),
+        Hook(f"{SRT}.entrypoints.engine.Engine._launch_subprocesses", AF,
+             drafter_weights_api.launch_subprocesses_after,
+             "sgl.Engine gains update_draft_weights_from_tensor/_from_disk, get_draft_weights_by_name "
+             "(plugins load inside Engine.__init__, too late to replace the class)"),
+        Hook(f"{SRT}.entrypoints.engine.Engine._launch_subprocesses", AF,
+             drafter_weights_api.add_http_routes_after,
+             "the HTTP launcher's app gains /update_draft_weights_from_tensor, "
+             "/update_draft_weights_from_disk and /get_draft_weights_by_name before uvicorn starts"),
+        # --- drafter co-training ---------------------------------------------------------------
+        Hook(f"{SRT}.managers.scheduler.Scheduler.__init__", AF, cotrain.scheduler_init_after,
+             "--drafter-cotrain: start the co-training process beside the scheduler"),
+        Hook(f"{SRT}.managers.scheduler.Scheduler.init_request_dispatcher", AF,
+             cotrain.request_dispatcher_after, "the scheduler answers the co-training stats request"),
+        Hook(f"{SRT}.managers.scheduler.Scheduler.process_input_requests", B,
+             cotrain.process_input_requests_before,
+             "load finished training rounds into the draft between batches, where sglang applies "
+             "its own weight updates"),
+        Hook(f"{SCHED}.weight_updater.SchedulerWeightUpdaterManager.update_weights_from_tensor", AF,
+             cotrain.weight_update_after, "a target update (an RL step) starts a new policy version"),
+        Hook(f"{SCHED}.weight_updater.SchedulerWeightUpdaterManager.update_weights_from_disk", AF,
+             cotrain.weight_update_after, "a target update from disk starts a new policy version"),
+        Hook(f"{SCHED}.weight_updater.SchedulerWeightUpdaterManager.update_weights_from_distributed",
+             AF, cotrain.weight_update_after, "a distributed target update starts a new policy version"),
+        Hook(f"{SRT}.entrypoints.engine.Engine._launch_subprocesses", AF,
+             cotrain_api.launch_subprocesses_after,
+             "GET /drafter_cotrain_stats and sgl.Engine.get_drafter_cotrain_stats()"),
         # --- responses out -----------------------------------------------------------------
         Hook(f"{OPENAI}.serving_chat.OpenAIServingChat._build_chat_response", AF,
              openai.chat_response_after, "add the fields to choices[i].message"),

@@ -25,7 +25,8 @@ HIDDEN_STATES_FIELDS = (
     "return_final_hidden_state",
 )
 KCBS_FIELDS = ("kcbs_enabled", "kcbs_beam_width", "kcbs_final_prune", "kcbs_steps")
-ALL_FIELDS = TOPLOC_FIELDS + IDS_FIELDS + HIDDEN_STATES_FIELDS + KCBS_FIELDS
+COTRAIN_FIELDS = ("drafter_cotrain",)
+ALL_FIELDS = TOPLOC_FIELDS + IDS_FIELDS + HIDDEN_STATES_FIELDS + KCBS_FIELDS + COTRAIN_FIELDS
 
 KCBS_MAX_BEAM_WIDTH = 32
 KCBS_MAX_STEPS = 1024
@@ -68,6 +69,14 @@ def validate_fields(fields: dict, server_args: Any) -> dict:
             raise RequestOptionError(f"{name} must be true or false, got {value!r}")
         if value:
             out[name] = True
+    cotrain = fields.get("drafter_cotrain")
+    if cotrain is not None:
+        if not isinstance(cotrain, bool):
+            raise RequestOptionError(f"drafter_cotrain must be true or false, got {cotrain!r}")
+        if cotrain and not getattr(server_args, "drafter_cotrain", False):
+            raise RequestOptionError("drafter_cotrain=true needs a server started with --drafter-cotrain")
+        if not cotrain:
+            out["cotrain_opt_out"] = True  # sglang_rl.adapters.cotrain.OPT_OUT_KEY
     return out
 
 

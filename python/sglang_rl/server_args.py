@@ -38,6 +38,40 @@ class RLServerArgs(ServerArgs):
         float, "sglang-rl: fail a chunk whose median mantissa error is above this (default 8)."
     ] = 8.0
 
+    drafter_cotrain: A[
+        bool,
+        "sglang-rl: co-train the EAGLE drafter on this server's own rollouts and hot-swap it into "
+        "the running server after every training round (needs --speculative-algorithm EAGLE "
+        "with an EAGLE-1/2 --speculative-draft-model-path).",
+    ] = False
+    drafter_cotrain_buffer_bytes: A[
+        int, "sglang-rl: byte budget of the co-training sample buffer (oldest samples go first)."
+    ] = 1 << 30
+    drafter_cotrain_samples_per_round: A[
+        int, "sglang-rl: finished rollouts that start a training round (and that it trains on)."
+    ] = 64
+    drafter_cotrain_steps: A[int, "sglang-rl: optimizer steps per co-training round."] = 20
+    drafter_cotrain_lr: A[float, "sglang-rl: AdamW learning rate of drafter co-training."] = 1e-4
+    drafter_cotrain_window: A[
+        int, "sglang-rl: rows per rollout kept for training (the end of the response first)."
+    ] = 512
+    drafter_cotrain_samples_per_step: A[
+        int, "sglang-rl: rollouts packed into one co-training optimizer step."
+    ] = 16
+    drafter_cotrain_device: A[
+        Optional[str],
+        "sglang-rl: device of the co-training process, e.g. cuda:1 for a second GPU or cpu "
+        "(default: the server's own device).",
+    ] = None
+    drafter_cotrain_soft_topk: A[
+        Optional[int],
+        "sglang-rl: soft cross-entropy over each row's top-N target tokens instead of the full "
+        "vocabulary (cheaper; default: full vocabulary).",
+    ] = None
+    drafter_cotrain_threads: A[
+        int, "sglang-rl: torch threads of the co-training process (0: torch's default)."
+    ] = 0
+
     def __post_init__(self) -> None:
         if self.toploc_verification_topk < 1 or self.toploc_verification_topk > 4096:
             raise ValueError("--toploc-verification-topk must be between 1 and 4096")
@@ -46,4 +80,21 @@ class RLServerArgs(ServerArgs):
                 "--toploc-verification does not support speculative decoding: a fingerprint is built "
                 "from one row per decode step, and a speculative step commits several tokens"
             )
+        if self.drafter_cotrain:
+            self._check_cotrain()
         super().__post_init__()
+
+    def _check_cotrain(self) -> None:
+        """Refuse a co-training setup that cannot work, with the reason, before anything starts."""
+        algorithm = (self.speculative_algorithm or "").upper()
+        if algorithm not in ("EAGLE", "NEXTN") or not self.speculative_draft_model_path:
+            raise ValueError(
+                "--drafter-cotrain trains an EAGLE-1/2 drafter: start the server with "
+                "--speculative-algorithm EAGLE --speculative-draft-model-path DIR "
+                "(make one with `python -m sglang_rl.drafter init --target MODEL --out DIR`)"
+            )
+        if self.tp_size != 1 or self.dp_size != 1 or self.pp_size != 1:
+            raise ValueError("--drafter-cotrain supports one GPU per server (tp/dp/pp size 1) for now")
+        from sglang_rl.adapters.cotrain import config_from_args
+
+        config_from_args(self)

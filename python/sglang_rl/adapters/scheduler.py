@@ -18,7 +18,7 @@ from sglang.srt.runtime_context import get_parallel, get_server_args
 
 from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
-from sglang_rl.adapters import hidden_states, kcbs, toploc, transport
+from sglang_rl.adapters import cotrain, hidden_states, kcbs, toploc, transport
 from sglang_rl.request_options import options_of
 
 STATE_ATTR = "_sglang_rl_toploc"
@@ -28,7 +28,7 @@ HS_ATTR = "_sglang_rl_hidden_states"
 def server_capture_mode_after(result: CaptureHiddenMode, server_args: Any) -> CaptureHiddenMode:
     """AFTER get_server_return_hidden_states_mode: TOPLOC needs at least LAST for every batch
     (this is also the mode CUDA graphs are captured with, so graphs stay usable)."""
-    if getattr(server_args, "toploc_verification", False):
+    if getattr(server_args, "toploc_verification", False) or getattr(server_args, "drafter_cotrain", False):
         return max(result, CaptureHiddenMode.LAST)
     return result
 
@@ -70,6 +70,23 @@ def req_init_after(result: None, req: Any, *args: Any, **kwargs: Any) -> None:
         needed = CaptureHiddenMode.FULL if collector.needs_prompt_rows else CaptureHiddenMode.LAST
         req.return_hidden_states_mode = max(req.return_hidden_states_mode, needed)
         setattr(req, HS_ATTR, collector)
+    trainer = cotrain.runtime()
+    if trainer is not None:
+        trainer.attach(req, options)
+        if hasattr(req, cotrain.ATTR):
+            req.return_hidden_states_mode = max(req.return_hidden_states_mode, CaptureHiddenMode.LAST)
+
+
+def _row_collectors(req: Any) -> list:
+    """The row collectors of a request: user-requested rows and co-training rows."""
+    found = []
+    collector = getattr(req, HS_ATTR, None)
+    if collector is not None:
+        found.append(collector)
+    rows = getattr(req, cotrain.ATTR, None)
+    if rows is not None:
+        found.append(rows.rows)
+    return found
 
 
 def max_prefix_len_around(original: Callable, req: Any, *args: Any, **kwargs: Any) -> int:
@@ -119,8 +136,12 @@ def _hidden_rows(batch: Any, result: Any) -> torch.Tensor | None:
 
 def _rows_wanted(processor: Any) -> bool:
     """Whether this server can have requests that need rows (else the hooks step aside)."""
-    args = processor.server_args
-    return bool(getattr(args, "toploc_verification", False) or args.return_hidden_states_mode)
+    return _server_wants_rows(processor.server_args)
+
+
+def _server_wants_rows(args: Any) -> bool:
+    return bool(getattr(args, "toploc_verification", False) or args.return_hidden_states_mode
+                or getattr(args, "drafter_cotrain", False))
 
 
 def _take(hidden: torch.Tensor, index: list[int] | range) -> torch.Tensor:
@@ -151,8 +172,9 @@ def prefill_result_around(original: Callable, processor: Any, batch: Any, result
             offset = hi
             if (req.finished() and req.inflight_middle_chunks <= 0) or req.is_retracted:
                 continue
-            collector = getattr(req, HS_ATTR, None)
-            if collector is not None and not collector.done and collector.stores:
+            for collector in _row_collectors(req):
+                if collector.done or not collector.stores:
+                    continue
                 last_chunk = req.inflight_middle_chunks <= 0
                 end = len(req.origin_input_ids) + len(req.output_ids)  # > prompt after a retraction
                 if collector.needs_prompt_rows and full:
@@ -185,12 +207,12 @@ def decode_result_around(original: Callable, processor: Any, batch: Any, result:
         builders, rows = [], []
         collectors = []
         for i, req in enumerate(batch.reqs):
+            for rows_of in _row_collectors(req):
+                if rows_of.stores and not rows_of.done and not (req.finished() or req.is_retracted):
+                    count = accepted[i] if accepted is not None else 1
+                    position = len(req.origin_input_ids) + len(req.output_ids) - 1
+                    collectors.append((rows_of, i * stride, count, position))
             collector = getattr(req, HS_ATTR, None)
-            if (collector is not None and collector.stores and not collector.done
-                    and not (req.finished() or req.is_retracted)):
-                count = accepted[i] if accepted is not None else 1
-                position = len(req.origin_input_ids) + len(req.output_ids) - 1
-                collectors.append((collector, i * stride, count, position))
             state = getattr(req, STATE_ATTR, None)
             if isinstance(state, toploc.FingerprintBuilder) and not state.done:
                 # the deferred step of return_final_hidden_state samples a token that is never
@@ -236,13 +258,15 @@ def stream_output_before(streamer: Any, reqs: list, *args: Any, **kwargs: Any) -
 
 
 def _finish_rows(reqs: list) -> None:
-    server_args = get_server_args()
-    if not (getattr(server_args, "toploc_verification", False) or server_args.return_hidden_states_mode):
+    if not _server_wants_rows(get_server_args()):
         return
     finishing, collectors = [], []
+    trainer = cotrain.runtime()
     for req in reqs:
         if not req.finished():
             continue
+        if trainer is not None:
+            trainer.finished(req)
         state = getattr(req, STATE_ATTR, None)
         if isinstance(state, toploc.FingerprintBuilder) and not state.done:
             finishing.append((state, req))

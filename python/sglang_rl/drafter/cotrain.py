@@ -1,0 +1,214 @@
+"""Online drafter co-training: a loop that turns finished rollouts into new draft weights.
+
+Engine-agnostic (no sglang import). The serving side feeds :class:`RolloutSample` messages into
+an inbox and applies the weights it finds in the outbox; :func:`cotrain_main` runs in a process of
+its own (and on its own device if asked), so training never runs on the serving loop.
+
+A round starts once ``samples_per_round`` new samples have arrived since the last one. It trains
+``steps`` optimizer steps on the newest ``samples_per_round`` samples of the buffer, preferring
+samples of the newest policy version: after an RL step changes the target, what the drafter must
+learn is the new policy's rows, and older samples only fill the round when too few new ones exist.
+The buffer is bounded in bytes (:class:`HiddenStateReplayBuffer`) and tags each sample with the
+policy version that produced it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import time
+import traceback
+from typing import Any, Optional
+
+import torch
+
+from sglang_rl.drafter.checkpoint import load_drafter, sglang_weights
+from sglang_rl.drafter.config import dtype_from_name
+from sglang_rl.drafter.data import sample_from_rows
+from sglang_rl.drafter.loss import EagleLossConfig
+from sglang_rl.drafter.trainer import DrafterTrainer
+from sglang_rl.integrations.verl import HiddenStateReplayBuffer
+
+__all__ = ["CotrainConfig", "CotrainLoop", "RolloutSample", "cotrain_main", "from_wire", "sample_from_wire",
+           "sample_to_wire", "to_wire"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CotrainConfig:
+    """What one co-training process needs; every field has a documented default (README)."""
+
+    draft_path: str
+    target_path: str
+    device: str = "cpu"
+    buffer_bytes: int = 1 << 30
+    samples_per_round: int = 64
+    steps: int = 20
+    lr: float = 1e-4
+    window: int = 512
+    samples_per_step: int = 16
+    soft_topk: Optional[int] = None
+    serve_dtype: str = "bfloat16"
+    train_dtype: str = "float32"
+    threads: int = 0
+
+    def check(self) -> None:
+        """Raise ValueError naming the first bad value."""
+        positive = ("buffer_bytes", "samples_per_round", "steps", "window", "samples_per_step")
+        for name in positive:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"drafter co-training: {name} must be a positive integer, got {value!r}")
+        if not (isinstance(self.lr, (int, float)) and 0 < self.lr < 1):
+            raise ValueError(f"drafter co-training: lr must be in (0, 1), got {self.lr!r}")
+        if self.soft_topk is not None and self.soft_topk < 2:
+            raise ValueError(f"drafter co-training: soft_topk must be >= 2, got {self.soft_topk!r}")
+        if self.window < 2:
+            raise ValueError("drafter co-training: window must be >= 2 (a pair needs two rows)")
+        for name in ("serve_dtype", "train_dtype"):
+            dtype_from_name(getattr(self, name))
+
+
+@dataclasses.dataclass
+class RolloutSample:
+    """One finished generation: ``input_ids[i]`` has the target's row ``rows[i]``; the response
+    starts at ``response_start``. ``policy_version`` counts the target weight updates seen."""
+
+    input_ids: torch.Tensor
+    rows: torch.Tensor
+    response_start: int
+    policy_version: int
+
+
+def to_wire(tensor: torch.Tensor) -> tuple[str, tuple[int, ...], bytes]:
+    """A tensor as plain bytes for a multiprocessing pipe. Queues carry no torch tensors: their
+    shared-memory file-descriptor handoff stopped delivering inside sglang's scheduler process
+    after the first round, while plain bytes always arrive."""
+    t = tensor.detach().to("cpu").contiguous()
+    return str(t.dtype).removeprefix("torch."), tuple(t.shape), t.view(torch.uint8).numpy().tobytes()
+
+
+def from_wire(wire: tuple[str, tuple[int, ...], bytes]) -> torch.Tensor:
+    dtype, shape, data = wire
+    flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return flat.view(getattr(torch, dtype)).reshape(shape)
+
+
+def sample_to_wire(sample: "RolloutSample") -> dict:
+    return {"input_ids": to_wire(sample.input_ids), "rows": to_wire(sample.rows),
+            "response_start": sample.response_start, "policy_version": sample.policy_version}
+
+
+def sample_from_wire(wire: dict) -> "RolloutSample":
+    return RolloutSample(input_ids=from_wire(wire["input_ids"]), rows=from_wire(wire["rows"]),
+                         response_start=int(wire["response_start"]), policy_version=int(wire["policy_version"]))
+
+
+class CotrainLoop:
+    """The training state of one co-training process: buffer, trainer and round bookkeeping."""
+
+    def __init__(self, config: CotrainConfig) -> None:
+        config.check()
+        self.config = config
+        device = torch.device(config.device)
+        model = load_drafter(config.draft_path, config.target_path, dtype=dtype_from_name(config.train_dtype))
+        self.trainer = DrafterTrainer(
+            model.to(device), lr=config.lr, window=config.window,
+            loss=EagleLossConfig(soft_topk=config.soft_topk))
+        self.buffer = HiddenStateReplayBuffer(config.buffer_bytes)
+        self.fresh = 0
+        self.received = 0
+        self.rounds = 0
+
+    def add(self, sample: RolloutSample) -> None:
+        """Window and store one sample (a sample with fewer than two rows is dropped)."""
+        n = int(sample.input_ids.numel())
+        if n < 2:
+            return
+        keep = min(n, self.config.window)
+        start = n - keep
+        aligned = sample_from_rows(sample.input_ids[start:], sample.rows[start:],
+                                   max(sample.response_start - start, 0))
+        self.received += 1
+        if self.buffer.add(aligned, step=sample.policy_version):
+            self.fresh += 1
+
+    def due(self) -> bool:
+        return self.fresh >= self.config.samples_per_round
+
+    def round_samples(self) -> list:
+        """The newest ``samples_per_round`` samples, newest policy version first."""
+        want = self.config.samples_per_round
+        newest = self.buffer.get_data_from_last_n_steps(1)
+        chosen = newest[-want:]
+        if len(chosen) < want:
+            older = [s for s in self.buffer.get_all() if not any(s is c for c in newest)]
+            chosen = older[-(want - len(chosen)):] + chosen
+        return chosen
+
+    def train_round(self) -> tuple[list[tuple[str, torch.Tensor]], dict]:
+        """One round: train, then the new draft weights (serving dtype, CPU) and its metrics."""
+        start = time.perf_counter()
+        samples = self.round_samples()
+        data = [samples[i:i + self.config.samples_per_step]
+                for i in range(0, len(samples), self.config.samples_per_step)]
+        batches = [b for group in data for b in self.trainer.as_batches(group)]
+        history = self.trainer.train_steps(batches, self.config.steps)
+        self.fresh = 0
+        self.rounds += 1
+        trained = [h for h in history if not h["skipped"]]
+        last = trained[-len(batches):] if trained else history[-1:]
+        metrics = {
+            "round": self.rounds,
+            "loss": sum(h["loss"] for h in last) / len(last),
+            "top1_agreement": sum(h["top1_agreement"] for h in last) / len(last),
+            "first_loss": history[0]["loss"],
+            "samples_used": len(samples),
+            "pairs": int(sum(b.num_loss_pairs for b in batches)),
+            "seconds": time.perf_counter() - start,
+            "policy_version": self.buffer.current_step,
+            "buffer_samples": len(self.buffer),
+            "buffer_bytes": self.buffer.nbytes,
+            "received": self.received,
+        }
+        weights = sglang_weights(self.trainer.model, dtype=dtype_from_name(self.config.serve_dtype))
+        return weights, metrics
+
+
+def _drain(inbox: Any, first: Any) -> list:
+    items = [first]
+    while True:
+        try:
+            items.append(inbox.get_nowait())
+        except queue.Empty:
+            return items
+
+
+def cotrain_main(config: CotrainConfig, inbox: Any, outbox: Any) -> None:
+    """Process entry point. Inbox messages: ``("sample", sample_to_wire(...))``, ``("stop",)``.
+    Outbox messages: ``("ready", {})``, ``("round", [(name, to_wire(tensor))], metrics)``,
+    ``("error", text)``."""
+    if config.threads > 0:
+        torch.set_num_threads(config.threads)
+    try:
+        loop = CotrainLoop(config)
+    except Exception:  # noqa: BLE001 - reported to the server, which logs it and keeps serving
+        outbox.put(("error", traceback.format_exc()))
+        return
+    outbox.put(("ready", {}))
+    while True:
+        for message in _drain(inbox, inbox.get()):
+            if message[0] == "stop":
+                return
+            if message[0] == "sample":
+                try:
+                    loop.add(sample_from_wire(message[1]))
+                except ValueError as exc:
+                    outbox.put(("error", f"sample dropped: {exc}"))
+        if loop.due():
+            try:
+                weights, metrics = loop.train_round()
+            except Exception:  # noqa: BLE001 - a failed round is reported; the next one may work
+                outbox.put(("error", traceback.format_exc()))
+                loop.fresh = 0
+                continue
+            outbox.put(("round", [(name, to_wire(t)) for name, t in weights], metrics))

@@ -1,0 +1,204 @@
+"""Train a drafter on packed EAGLE batches: model, AdamW, gradient clipping, metrics.
+
+Defaults follow EAGLE's published training: AdamW with betas (0.9, 0.95), gradient
+clipping at 0.5, lr 3e-5. Online RL co-training of an already-trained drafter uses far
+smaller rates (FastRL: 1e-6 every 10 RL steps); a freshly initialised drafter needs larger
+ones. The caller sets ``lr`` for its regime.
+
+The per-step metric ``top1_agreement`` is the fraction of loss-masked pairs where
+``argmax lm_head(predicted row)`` equals ``argmax lm_head(true row)``. It is measured on the
+step's forward pass, before the update, so it describes the weights the step started from.
+This is a teacher-forced proxy for the first draft token's acceptance under greedy
+verification.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from sglang_rl.drafter.checkpoint import save_drafter, sglang_weights
+from sglang_rl.drafter.data import batches_from_samples
+from sglang_rl.drafter.loss import EagleLossConfig, SoftTargets, eagle_loss, soft_targets
+from sglang_rl.drafter.model import EagleDrafter
+from sglang_rl.integrations.verl import DEFAULT_WINDOW, AlignedSample
+
+__all__ = ["DrafterTrainer", "PreparedBatch"]
+
+
+@dataclass(frozen=True)
+class PreparedBatch:
+    """A ``build_eagle_batch`` dict on the model's device and dtype, flattened to ``[N]`` /
+    ``[N, H]``, with the target side of the loss (:class:`SoftTargets`) computed once."""
+
+    input_ids: torch.Tensor
+    hidden_states: torch.Tensor
+    target: torch.Tensor
+    loss_mask: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    soft: SoftTargets
+
+    @property
+    def num_pairs(self) -> int:
+        """Pairs in the batch (masked or not)."""
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_loss_pairs(self) -> int:
+        """Pairs with a positive loss weight."""
+        return int((self.loss_mask > 0).sum())
+
+
+class DrafterTrainer:
+    """Holds an :class:`EagleDrafter` and its optimizer; see the module docstring."""
+
+    def __init__(
+        self,
+        model: EagleDrafter,
+        lr: float = 3e-5,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.95),
+        grad_clip: float | None = 0.5,
+        loss: EagleLossConfig = EagleLossConfig(),
+        window: int = DEFAULT_WINDOW,
+        full_vocab_metrics: bool = True,
+    ) -> None:
+        """``full_vocab_metrics``: with a reduced soft vocabulary, still take the prediction's
+        argmax over the full vocabulary for ``top1_agreement`` (one extra no-grad head product)."""
+        self.model = model
+        self.loss_config = loss
+        self.window = window
+        self.grad_clip = grad_clip
+        self.full_vocab_metrics = full_vocab_metrics
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
+        self.steps_done = 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.fc.weight.device
+
+    def prepare(self, batch: Mapping[str, torch.Tensor] | PreparedBatch) -> PreparedBatch:
+        """Move a ``build_eagle_batch`` dict to the model and compute its soft targets."""
+        if isinstance(batch, PreparedBatch):
+            return batch
+        dev, dtype = self.device, self.model.compute_dtype
+        ids = batch["input_ids"].reshape(-1).to(dev, torch.long)
+        n = ids.shape[0]
+        target = batch["target"].reshape(n, -1).to(dev, dtype)
+        mask = batch["loss_mask"].reshape(-1).to(dev, torch.float32)
+        cu = batch.get("cu_seqlens")
+        cu = torch.tensor([0, n], dtype=torch.int32) if cu is None else cu.to("cpu", torch.int32)
+        pos = batch.get("position_ids")
+        if pos is None:
+            pos = torch.cat([torch.arange(int(b - a)) for a, b in zip(cu[:-1], cu[1:])])
+        keep = torch.nonzero(mask > 0).flatten()
+        return PreparedBatch(
+            input_ids=ids,
+            hidden_states=batch["hidden_states"].reshape(n, -1).to(dev, dtype),
+            target=target,
+            loss_mask=mask,
+            position_ids=pos.reshape(-1).to(dev, torch.long),
+            cu_seqlens=cu,
+            soft=soft_targets(target[keep], self.model.head_weight, self.loss_config),
+        )
+
+    def as_batches(self, data: Any) -> list[PreparedBatch]:
+        """Prepared batches from a batch dict, a :class:`PreparedBatch`, an
+        :class:`AlignedSample`, or a sequence of either kind (samples are packed into one
+        batch by ``build_eagle_batch``)."""
+        if isinstance(data, (Mapping, PreparedBatch)):
+            return [self.prepare(data)]
+        if isinstance(data, AlignedSample):
+            data = [data]
+        items = list(data)
+        if items and all(isinstance(s, AlignedSample) for s in items):
+            return [self.prepare(b) for b in batches_from_samples(items, window=self.window)]
+        if all(isinstance(b, (Mapping, PreparedBatch)) for b in items):
+            return [self.prepare(b) for b in items]
+        raise TypeError("expected batch dicts, PreparedBatch objects or AlignedSample objects (not mixed)")
+
+    def _forward_loss(self, batch: PreparedBatch):
+        pred = self.model(batch.input_ids, batch.hidden_states, batch.position_ids, batch.cu_seqlens)
+        out = eagle_loss(pred, batch.target, batch.loss_mask, self.model.head_weight, self.loss_config, batch.soft)
+        pred_top1 = out.pred_top1
+        if pred_top1 is None and out.num_tokens > 0 and (self.full_vocab_metrics or self.loss_config.prob_weight == 0):
+            with torch.no_grad():
+                keep = torch.nonzero(batch.loss_mask > 0).flatten()
+                pred_top1 = self.model.logits(pred.detach()[keep]).argmax(dim=-1)
+        agreement = float((pred_top1 == batch.soft.top1).float().mean()) if pred_top1 is not None else float("nan")
+        return out, agreement
+
+    def train_steps(self, data: Any, steps: int) -> list[dict[str, float]]:
+        """Run ``steps`` optimizer steps, cycling through the batches of ``data`` in order.
+
+        Returns one metrics dict per step: ``step``, ``loss``, ``value_loss``, ``prob_loss``,
+        ``top1_agreement``, ``grad_norm``, ``num_pairs``, ``num_loss_pairs``, ``seconds`` and
+        ``skipped`` (1.0 when the batch had no loss-masked pair and no update was made).
+        """
+        batches = self.as_batches(data)
+        if not batches:
+            raise ValueError("no training pairs: every sample has fewer than two rows")
+        self.model.train()
+        history = []
+        for i in range(steps):
+            batch = batches[i % len(batches)]
+            start = time.perf_counter()
+            self.optimizer.zero_grad(set_to_none=True)
+            out, agreement = self._forward_loss(batch)
+            skipped = out.num_tokens == 0
+            grad_norm = 0.0
+            if not skipped:
+                out.loss.backward()
+                params = [p for p in self.model.parameters() if p.grad is not None]
+                max_norm = self.grad_clip if self.grad_clip is not None else float("inf")
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+                self.optimizer.step()
+                self.steps_done += 1
+            history.append(
+                {
+                    "step": float(self.steps_done),
+                    "loss": float(out.loss.detach()),
+                    "value_loss": out.value_loss,
+                    "prob_loss": out.prob_loss,
+                    "top1_agreement": agreement,
+                    "grad_norm": grad_norm,
+                    "num_pairs": float(batch.num_pairs),
+                    "num_loss_pairs": float(batch.num_loss_pairs),
+                    "seconds": time.perf_counter() - start,
+                    "skipped": float(skipped),
+                }
+            )
+        return history
+
+    @torch.no_grad()
+    def evaluate(self, data: Any) -> dict[str, float]:
+        """Loss parts and ``top1_agreement`` over ``data``, weighted by loss-masked pairs."""
+        self.model.eval()
+        totals = {"loss": 0.0, "value_loss": 0.0, "prob_loss": 0.0, "top1_agreement": 0.0}
+        count = 0.0
+        for batch in self.as_batches(data):
+            out, agreement = self._forward_loss(batch)
+            if out.num_tokens == 0:
+                continue
+            n = float(batch.num_loss_pairs)
+            for key, value in (("loss", float(out.loss)), ("value_loss", out.value_loss),
+                               ("prob_loss", out.prob_loss), ("top1_agreement", agreement)):
+                totals[key] += value * n
+            count += n
+        result = {k: (v / count if count else float("nan")) for k, v in totals.items()}
+        result["num_loss_pairs"] = count
+        return result
+
+    def save(self, out_dir: str | Path, dtype: str | torch.dtype | None = None) -> Path:
+        """:func:`save_drafter` of the current weights."""
+        return save_drafter(self.model, out_dir, dtype)
+
+    def weights(self, dtype: torch.dtype | None = None) -> list[tuple[str, torch.Tensor]]:
+        """:func:`sglang_weights` of the current weights (for a live weight push)."""
+        return sglang_weights(self.model, dtype)

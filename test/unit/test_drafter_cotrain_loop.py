@@ -1,0 +1,122 @@
+"""The co-training loop without a server: rounds, policy-version preference, the wire format,
+option checks, and the process entry point with real multiprocessing queues."""
+
+from __future__ import annotations
+
+import multiprocessing
+from pathlib import Path
+
+import pytest
+import torch
+
+from sglang_rl.drafter import init_drafter, save_drafter
+from sglang_rl.drafter.cotrain import (
+    CotrainConfig,
+    CotrainLoop,
+    RolloutSample,
+    cotrain_main,
+    from_wire,
+    sample_from_wire,
+    sample_to_wire,
+    to_wire,
+)
+from test_drafter_checkpoint import H, V, write_target
+
+
+@pytest.fixture()
+def folders(tmp_path: Path) -> tuple[str, str]:
+    target = write_target(tmp_path / "target")
+    save_drafter(init_drafter(target, seed=0), tmp_path / "draft")
+    return str(tmp_path / "draft"), str(target)
+
+
+def sample(n: int = 40, version: int = 0, seed: int = 0) -> RolloutSample:
+    gen = torch.Generator().manual_seed(seed)
+    return RolloutSample(torch.randint(0, V, (n,), generator=gen), torch.randn(n, H, generator=gen), n // 2, version)
+
+
+def config(folders: tuple[str, str], **over) -> CotrainConfig:
+    return CotrainConfig(draft_path=folders[0], target_path=folders[1], **{
+        "samples_per_round": 4, "steps": 3, "lr": 1e-3, "window": 32, "samples_per_step": 2, **over})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_wire_round_trip_is_exact(dtype: torch.dtype) -> None:
+    t = (torch.randn(5, 7) * 100).to(dtype)
+    back = from_wire(to_wire(t))
+    assert back.dtype == dtype and back.shape == t.shape and torch.equal(back, t)
+    s = sample(9, version=3)
+    r = sample_from_wire(sample_to_wire(s))
+    assert torch.equal(r.input_ids, s.input_ids) and torch.equal(r.rows, s.rows)
+    assert (r.response_start, r.policy_version) == (s.response_start, 3)
+
+
+def test_a_round_is_due_after_samples_per_round_and_changes_the_weights(folders) -> None:
+    loop = CotrainLoop(config(folders))
+    before = {n: t.clone() for n, t in loop.trainer.model.state_dict().items()}
+    for i in range(3):
+        loop.add(sample(seed=i))
+        assert not loop.due()
+    loop.add(sample(seed=3))
+    assert loop.due()
+    weights, metrics = loop.train_round()
+    assert not loop.due() and metrics["round"] == 1 and metrics["samples_used"] == 4
+    changed = {n for n, t in weights if not torch.equal(t.float(), before[n].float())}
+    assert "fc.weight" in changed and any(n.startswith("layers.0.") for n in changed)
+    assert all(t.dtype == torch.bfloat16 for _, t in weights)  # serve_dtype default
+
+
+def test_windows_keep_the_end_of_a_long_rollout(folders) -> None:
+    loop = CotrainLoop(config(folders, window=16))
+    loop.add(sample(n=100))
+    [stored] = loop.buffer.get_all()
+    assert stored.input_ids.numel() == 16
+    assert torch.equal(stored.input_ids, sample(n=100).input_ids[-16:])
+
+
+def test_rounds_prefer_the_newest_policy_version(folders) -> None:
+    loop = CotrainLoop(config(folders))
+    old = [sample(seed=i, version=0) for i in range(6)]
+    new = [sample(seed=10 + i, version=1) for i in range(3)]
+    for s in old + new:
+        loop.add(s)
+    chosen = loop.round_samples()
+    ids = [c.input_ids.tolist() for c in chosen]
+    assert len(chosen) == 4
+    assert ids[-3:] == [s.input_ids[-32:].tolist() for s in new]  # every new-policy sample
+    assert ids[0] == old[-1].input_ids[-32:].tolist()  # filled with the newest old one
+
+
+@pytest.mark.parametrize("field, value, reason", [
+    ("lr", 5.0, "lr must be in (0, 1)"),
+    ("samples_per_round", 0, "samples_per_round must be a positive integer"),
+    ("window", 1, "window must be >= 2"),
+    ("soft_topk", 1, "soft_topk must be >= 2"),
+    ("serve_dtype", "float8", "float8"),
+])
+def test_bad_options_are_refused(folders, field: str, value, reason: str) -> None:
+    with pytest.raises(Exception, match=reason.replace("(", r"\(").replace(")", r"\)")):
+        config(folders, **{field: value}).check()
+
+
+def test_process_entry_point_trains_round_after_round(folders) -> None:
+    """The real process protocol through spawn queues: ready, then a round per 4 samples,
+    several times in a row (a queue that stops delivering after the first round fails here)."""
+    ctx = multiprocessing.get_context("spawn")
+    inbox, outbox = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=cotrain_main, args=(config(folders, threads=1), inbox, outbox), daemon=True)
+    proc.start()
+    try:
+        assert outbox.get(timeout=120)[0] == "ready"
+        for r in range(1, 4):
+            for i in range(4):
+                inbox.put(("sample", sample_to_wire(sample(seed=10 * r + i, version=r))))
+            kind, weights, metrics = outbox.get(timeout=120)
+            assert kind == "round" and metrics["round"] == r and metrics["policy_version"] == r
+            assert {n for n, _ in weights} >= {"fc.weight"}
+        inbox.put(("stop",))
+        proc.join(timeout=30)
+        assert proc.exitcode == 0
+    finally:
+        if proc.is_alive():
+            proc.kill()
