@@ -2,11 +2,11 @@
 PY := .venv/bin/python
 STAMP := .venv/.setup-stamp
 
-.PHONY: setup demo test test-unit model
+.PHONY: setup demo demo-cotrain test test-unit model
 
 setup: $(STAMP)
 
-$(STAMP): scripts/setup_cpu.sh requirements/cpu.txt python/pyproject.toml scripts/cpu_shims/*
+$(STAMP): scripts/setup_cpu.sh requirements/cpu.txt python/pyproject.toml scripts/cpu_shims/* scripts/cpu_shims/sgl_kernel/*
 	bash scripts/setup_cpu.sh
 
 model: setup
@@ -14,6 +14,9 @@ model: setup
 
 demo: setup
 	$(PY) toploc-scripts/minimal_example.py --start-server
+
+demo-cotrain: setup
+	$(PY) scripts/demo_cotrain.py
 
 test: setup
 	$(PY) -m pytest test -v

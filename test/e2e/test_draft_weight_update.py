@@ -342,9 +342,13 @@ def test_target_updates_never_touch_the_draft(eagle: Server, drafts: Drafts, fol
     assert_ok(push_draft(url, other))
     assert torch.equal(target_rows(url, "model.norm.weight", 1000), norm["model.norm.weight"] * 1.5)
     assert torch.equal(draft_rows(url, "fc.bias", 1000), other["fc.bias"])
-    # load_format="direct" takes the model's own parameter names; sglang would also hand them to
-    # the draft model, which has no such parameter (KeyError: the scheduler dies)
+    # load_format="direct" takes the model's own parameter names, and sglang would also hand them
+    # to the draft model: a name it lacks kills the scheduler (KeyError), and layer 0's names,
+    # which it has, would overwrite the draft's layer with the target's
     assert_ok(push_target(url, norm, load_format="direct"))
+    down = target_tensors(model_path, ["model.layers.0.mlp.down_proj.weight"])
+    assert_ok(push_target(url, down, load_format="direct"))
+    assert not draft_rows(url, "layers.0.mlp.down_proj.weight", 4).any()  # the drafter's zeros
     assert_ok(push_draft(url, drafts.weights(token)))
     # the target's own folder from disk: the target reloads, the draft keeps its weights
     assert_ok(post(url, "/update_weights_from_disk", {"model_path": model_path}))

@@ -4,7 +4,8 @@ The drafter is written here into a tmp folder in the checkpoint format sglang lo
 (LlamaForCausalLMEagle: config.json + `fc.*`, `layers.0.*`; embedding and lm_head come from the
 target). It starts random, then `fc` is set to map a token's embedding e to (E^T E)^-1 e and the
 attention/MLP outputs to zero, so its proposal argmax(E (E^T E)^-1 e_t) is the last token again
-(for ~98% of SmolLM2's vocabulary; E is the shared embedding, also the tied lm_head): on a prompt whose greedy continuation repeats a word, whole chains of drafts are accepted, so the
+(for ~98% of SmolLM2's vocabulary; E is the shared embedding, also the tied lm_head). On a
+prompt whose greedy continuation repeats a word, whole chains of drafts are accepted, so the
 accepted-draft path (bonus tokens, KV of accepted drafts, draft extend at the last accepted row)
 runs, not only the reject-everything path of a random drafter.
 

@@ -16,11 +16,15 @@ draft tokens are accepted, never the output. The cache is flushed only when the 
 
 On a server with an EAGLE-1/2 draft, sglang's own target updates would also feed the target's
 tensors to the draft model (eagle_worker_v2 loads the same names into both; update_weights_from_disk
-reads the target's checkpoint into the draft). The draft's loader ignores those names, so nothing
-is corrupted, but it reads everything twice, logs a warning per tensor, crashes the scheduler for
-``load_format="direct"`` (KeyError in the draft) and repoints the draft's model_path at the
-target's folder. `target_update_from_tensor_around` / `target_update_from_disk_around` send such
-updates to the target only, then make sure the draft still sees the target's embedding and head.
+reads the target's checkpoint into the draft). The draft's loader prefixes the names once more
+(``model.model.layers...``) and ignores them, so the default format corrupts nothing, but every
+update is read twice and logs a warning per tensor (272 for SmolLM2's checkpoint from disk), the
+disk update repoints the draft's model_path at the target's folder, and ``load_format="direct"``
+(the model's own parameter names) writes target layer-0 tensors into the draft's layer 0 or kills
+the scheduler (KeyError on a name the draft lacks). `target_update_from_tensor_around` /
+`target_update_from_disk_around` send such updates to the target only (a request that sets
+``disable_draft_model`` keeps sglang's routing), then make sure the draft still sees the target's
+embedding and head.
 """
 
 from __future__ import annotations
@@ -400,15 +404,3 @@ def target_update_from_disk_around(original: Callable, manager: Any, recv_req: A
     if result.success:
         resync_shared_tensors(eagle)
     return result
-
-
-def load_draft_tensors(scheduler: Any, named: list[tuple[str, torch.Tensor]]) -> str:
-    """Load checkpoint-named draft tensors from inside the scheduler (drafter co-training's
-    rounds): the same checks and in-place load as a draft-only update request; raises
-    DraftWeightError with the reason when they do not fit the live draft."""
-    eagle = _eagle_or_refuse(scheduler)
-    spec, _ = draft_spec(eagle)
-    check_update(spec, [TensorInfo(n, tuple(t.shape), t.is_floating_point()) for n, t in named])
-    start = time.perf_counter()
-    _load(eagle, named)
-    return f"loaded {len(named)} draft tensors in {time.perf_counter() - start:.3f}s"
