@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import queue
 import time
 from functools import partial
 from typing import Any, Optional
@@ -121,7 +122,10 @@ class CotrainRuntime:
         ctx = multiprocessing.get_context("spawn")
         self.config = config_from_args(server_args)
         self.window = self.config.window
-        self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
+        # bounded: when training falls behind the rollouts, new samples are skipped (and counted)
+        # instead of piling up in the scheduler's memory
+        self.inbox = ctx.Queue(maxsize=max(2 * self.config.samples_per_round, 64))
+        self.outbox = ctx.Queue()
         self.process = ctx.Process(target=cotrain_main, args=(self.config, self.inbox, self.outbox),
                                    name="sglang-rl-drafter-cotrain", daemon=True)
         self.process.start()
@@ -129,6 +133,7 @@ class CotrainRuntime:
         self.samples = 0
         self.dropped = 0
         self.rows_sent = 0
+        self.skipped_busy = 0
         self.ready = False
         self.errors: list[str] = []
         self.rounds: list[dict] = []
@@ -162,7 +167,11 @@ class CotrainRuntime:
             self.dropped += 1
             return
         self.rows_sent += int(sample.input_ids.numel())
-        self.inbox.put(("sample", sample_to_wire(sample)))
+        try:
+            self.inbox.put_nowait(("sample", sample_to_wire(sample)))
+        except queue.Full:
+            self.skipped_busy += 1
+            return
         self.samples += 1
 
     def policy_updated(self) -> None:
@@ -170,8 +179,6 @@ class CotrainRuntime:
 
     def poll(self, scheduler: Any) -> None:
         """Apply finished rounds (between batches, where sglang applies its own weight updates)."""
-        import queue
-
         while True:
             try:
                 message = self.outbox.get_nowait()
@@ -208,6 +215,7 @@ class CotrainRuntime:
             "rounds": self.draft_round,
             "samples": self.samples,
             "samples_dropped": self.dropped,
+            "samples_skipped_busy": self.skipped_busy,
             "rows_sent": self.rows_sent,
             "trainer_received": self.rounds[-1]["received"] if self.rounds else 0,
             "policy_version": self.policy_version,
