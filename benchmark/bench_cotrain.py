@@ -129,6 +129,7 @@ class CotrainRun:
         self.cursor = 0
         self.train_tokens = 0
         self.train_seconds = 0.0
+        self.errors_seen = 0
 
     def stats(self) -> dict:
         return self.llm.get_drafter_cotrain_stats()
@@ -166,8 +167,8 @@ class CotrainRun:
             s = self.stats()
             if s["rounds"] >= target_round:
                 return s
-            if s["errors"] and len(s["errors"]) > getattr(self, "_errors_seen", 0):
-                self._errors_seen = len(s["errors"])
+            if len(s["errors"]) > self.errors_seen:
+                self.errors_seen = len(s["errors"])
                 print("co-training error:", s["errors"][-1][-800:], flush=True)
             missing = target_samples - s["samples"]
             if missing > 0 and sent_extra < 4 * self.args.samples_per_round:
@@ -251,7 +252,11 @@ def run_train(args: argparse.Namespace) -> dict:
     record("train", 0, run.stats(), ev)
     rnd = 0
     round_walls: list[float] = []
-    reserve = lambda: (args.drift_rounds + 2) * (sum(round_walls) / len(round_walls)) + 20 if round_walls else 60
+
+    def reserve() -> float:
+        """Seconds to keep for the drift rounds, from the rounds so far."""
+        return (args.drift_rounds + 2) * sum(round_walls) / len(round_walls) + 20 if round_walls else 60.0
+
     note = ""
     while (rnd + 1) * args.samples_per_round <= args.rollouts:
         if time.time() - start + reserve() > args.budget_s:
