@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 STAMP := .venv/.setup-stamp
 
-.PHONY: setup demo demo-cotrain test test-unit model
+.PHONY: setup demo demo-cotrain test test-unit fuzz model
 
 setup: $(STAMP)
 
@@ -20,6 +20,9 @@ demo-cotrain: setup
 
 test: setup
 	$(PY) -m pytest test -v
+
+fuzz: setup
+	$(PY) scripts/fuzz_http.py --cases 10000
 
 test-unit: setup
 	$(PY) -m pytest test/unit -v
