@@ -92,8 +92,12 @@ def make_case(rng: random.Random, material: dict) -> tuple[str, dict]:
     if endpoint == "generate-batch":
         n = rng.randrange(1, 4)
         per_item = {k: [v] * rng.choice([n, n, n + 1]) for k, v in fields.items() if rng.random() < 0.5}
+        # only sglang-rl fields go inside sampling_params (sglang itself answers an unknown sampling
+        # parameter such as return_hidden_states there with a 500: not ours to fuzz)
         params = [{"max_new_tokens": max_tokens, **{k: v for k, v in fields.items() if k not in per_item
-                                                     and rng.random() < 0.5}} for _ in range(n)]
+                                                     and k in ALL_FIELDS and rng.random() < 0.5}}
+                  for _ in range(n)]
+        per_item.update({k: v for k, v in fields.items() if k not in ALL_FIELDS})
         return "/generate", {"input_ids": [ids] * n, "sampling_params": params, **per_item}
     if endpoint == "completions":
         return "/v1/completions", {"model": "default", "prompt": ids if verify else "Hello",
