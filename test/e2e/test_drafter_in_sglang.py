@@ -11,7 +11,6 @@ order or an off-by-one position predicts other counts.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Iterator
 
 import pytest
