@@ -140,6 +140,8 @@ def test_batch_mixed_items_each_get_their_own_fields(hs_server: Server, hf, samp
     ({"sampling_params": [{"max_new_tokens": 2, "return_output_ids": False}] * 2, "return_output_ids": True},
      "given both at the top level"),
     ({"sampling_params": {"max_new_tokens": 2}, "return_output_ids": [True, "yes"]}, "must be true or false"),
+    ({"sampling_params": [{"max_new_tokens": 2}, {"max_new_tokens": 2, "kcbs_enabled": True, "kcbs_beam_width": 2}],
+      "return_hidden_states": True, "hidden_states_format": "base64"}, "k-CBS returns candidates, not hidden-state rows"),
 ])
 def test_batch_field_refusals(hs_server: Server, body: dict, reason: str) -> None:
     resp = post(hs_server.url, "/generate", {"text": ["Hello", "Hi there"], **body})

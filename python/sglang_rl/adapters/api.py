@@ -214,6 +214,10 @@ def _prepare_item(obj: Any, item: Optional[int], params: dict, fields: dict, ser
     if kcbs_entry:
         if "toploc_verification_fingerprint_to_validate" in entry:
             raise RequestOptionError("a k-CBS request cannot also be a verification request")
+        if hs_entry:
+            # the candidates are assembled from beam requests: there is no single row sequence
+            raise RequestOptionError("k-CBS returns candidates, not hidden-state rows: send the rows "
+                                     "request separately")
         _prepare_kcbs(plan, params, kcbs_entry)
         entry.update(kcbs_entry)
     if "toploc_verification_fingerprint_to_validate" in entry:
