@@ -1,0 +1,134 @@
+"""Every pair of request features, generated from one table, on the server that has them all
+(TOPLOC on, hidden states on, radix cache on, 64-token chunked prefill).
+
+A feature is a row of FEATURES: the request fields it adds, and the check of its own contract on
+each returned choice. A pair is sent as one /v1/chat/completions request (/v1/completions for the
+"completions" feature), and all pairs are in
+flight at once, so they share batches. A pair that UNSUPPORTED lists must get a 400 that names
+the reason; every other pair must get a 200 in which every choice passes the checks of both
+features. TOPLOC is on for every request: each fingerprint must verify against its own ids and
+fail against another request's. A new feature adds one row here, not N tests.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Callable, NamedTuple
+
+import pytest
+
+from e2e_servers import Server
+from hidden_states_fixtures import check_response, post
+from toploc_helpers import FP_FIELD, sse_events, verify_tokens
+
+MAX_TOKENS = 6
+
+
+class Feature(NamedTuple):
+    fields: dict
+    check: Callable[[Any, dict], None]
+
+
+def _rows(mode: Any, fmt: str, scope: str, final: bool, last_n: Any = None) -> Feature:
+    def check(hf, choice: dict) -> None:
+        check_response(hf, choice, mode=mode, fmt=fmt, scope=scope, last_n=last_n, final=final,
+                       what=f"rows {mode} {fmt} {scope}")
+
+    fields = {"return_hidden_states": mode, "hidden_states_format": fmt, "hidden_states_scope": scope,
+              "return_final_hidden_state": final}
+    if last_n is not None:
+        fields["hidden_states_last_n"] = last_n
+    return Feature(fields, check)
+
+
+def _kcbs_check(hf, choice: dict) -> None:
+    candidates = choice["kcbs_candidates"]
+    assert 1 <= len(candidates) <= 2
+    logprobs = [c["logprob"] for c in candidates]
+    assert logprobs == sorted(logprobs, reverse=True)
+    assert choice["output_ids"] == candidates[0]["token_ids"]
+
+
+def _no_check(hf, choice: dict) -> None:
+    assert choice["output_ids"], choice
+
+
+FEATURES: dict[str, Feature] = {
+    "rows-base64-all-final": _rows(True, "base64", "all", True),
+    "rows-list-response": _rows(True, "list", "response", False),
+    "rows-last": _rows("last", "list", "all", False),
+    "rows-base64-last_n-final": _rows(True, "base64", "last_n", True, last_n=5),
+    "kcbs": Feature({"kcbs_enabled": True, "kcbs_beam_width": 2, "kcbs_steps": 3}, _kcbs_check),
+    "stream": Feature({"stream": True}, _no_check),
+    "n2": Feature({"n": 2, "temperature": 0.8}, _no_check),
+    "completions": Feature({}, _no_check),  # /v1/completions instead of chat (see _send)
+}
+# pairs that must be refused, with a piece of the reason
+UNSUPPORTED = {
+    frozenset({"kcbs", "stream"}): "streaming",
+    frozenset({"kcbs", "n2"}): "n > 1",
+    **{frozenset({"kcbs", r}): "not hidden-state rows" for r in FEATURES if r.startswith("rows")},
+}
+# the row variants are alternatives of one feature (one request has one row format), not a pair
+PAIRS = [(a, b) for a, b in itertools.combinations(FEATURES, 2)
+         if not (a.startswith("rows") and b.startswith("rows"))] + [(f,) for f in FEATURES]
+PROMPT = [{"role": "user", "content": "Name three colors of the rainbow."}]
+
+
+def _send(url: str, names: tuple) -> tuple[int, Any]:
+    body: dict = {"model": "default", "messages": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
+                  "return_input_ids": True, "return_output_ids": True}
+    for name in names:
+        body.update(FEATURES[name].fields)
+    chat = "completions" not in names
+    if not chat:
+        body["prompt"] = body.pop("messages")[0]["content"]
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    resp = post(url, path, body, stream=bool(body.get("stream")))
+    if resp.status_code != 200:
+        return resp.status_code, resp.text
+    if not body.get("stream"):
+        choices = sorted(resp.json()["choices"], key=lambda c: c["index"])
+        return 200, [c["message"] if chat else c for c in choices]
+    finals: dict[int, dict] = {}
+    for event in sse_events(resp):
+        assert "error" not in event, event
+        for c in event.get("choices", []):
+            if c.get("finish_reason") is not None:
+                finals[c["index"]] = (c.get("delta") or {}) if chat else c
+    return 200, [finals[i] for i in sorted(finals)]
+
+
+@pytest.fixture(scope="module")
+def answers(hs_server: Server) -> dict:
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(PAIRS)) as pool:
+        return dict(zip(PAIRS, pool.map(lambda p: _send(hs_server.url, p), PAIRS)))
+
+
+@pytest.mark.parametrize("names", PAIRS, ids=["+".join(p) for p in PAIRS])
+def test_pair(names: tuple, answers: dict, hs_server: Server, hf) -> None:
+    status, result = answers[names]
+    reason = UNSUPPORTED.get(frozenset(names))
+    if reason is not None:
+        assert status == 400 and reason in result, (status, str(result)[:500])
+        return
+    assert status == 200, str(result)[:1000]
+    assert len(result) == (2 if "n2" in names else 1)
+    for choice in result:
+        for name in names:
+            FEATURES[name].check(hf, choice)
+        if "kcbs" in names:
+            assert FP_FIELD not in choice  # candidates come from beams: no single fingerprint
+            continue
+        ids = list(choice["input_ids"]) + list(choice["output_ids"])
+        fp = choice[FP_FIELD][-1]
+        code, report = verify_tokens(hs_server.url, ids, fp)
+        assert code == 200 and report["verified"], report
+        # another request's ids: another last prompt token changes every fingerprinted row (the
+        # output tokens alone would not, for a one-token reply: its only row is the prompt's)
+        n_prompt = len(choice["input_ids"])
+        other = ids[:n_prompt - 1] + [(ids[n_prompt - 1] + 1) % 49152] + ids[n_prompt:]
+        code, report = verify_tokens(hs_server.url, other, fp)
+        assert code == 400 or not report["verified"], report
