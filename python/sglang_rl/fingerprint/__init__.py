@@ -1,4 +1,5 @@
-"""TOPLOC activation fingerprints: batched proof building, the wire container and verification."""
+"""TOPLOC activation fingerprints: batched proof building, the wire container, verification,
+per-model calibration of the bounds and worker-level evidence."""
 
 from sglang_rl.fingerprint.codec import (
     FORMAT_VERSION,
@@ -23,23 +24,39 @@ from sglang_rl.fingerprint.verify import (
     VerificationReport,
     verify_rows,
 )
+from sglang_rl.fingerprint.calibration import (
+    Calibration,
+    CalibrationError,
+    ThresholdPolicy,
+    load_calibration,
+    save_calibration,
+)
+from sglang_rl.fingerprint.evidence import EvidencePolicy, WorkerEvidence, response_score
 
 __all__ = [
     "FORMAT_VERSION",
     "MAX_TOPK",
     "NOTHING_MATCHED",
     "PRIME",
+    "Calibration",
+    "CalibrationError",
     "ChunkResult",
+    "EvidencePolicy",
     "Fingerprint",
     "FingerprintError",
+    "ThresholdPolicy",
     "Thresholds",
     "VerificationReport",
+    "WorkerEvidence",
     "build_chunk_proofs",
     "build_fingerprint",
     "decode_fingerprint",
     "encode_fingerprint",
     "interpolate",
+    "load_calibration",
     "proof_num_bytes",
+    "response_score",
+    "save_calibration",
     "select_topk",
     "verify_rows",
 ]

@@ -76,9 +76,14 @@ class VerificationReport:
     worst_mant_err_mean: float
     worst_mant_err_median: float
     verified: bool
+    short_chunk_thresholds: Thresholds | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-safe dict (plain ints, floats and bools; every float finite)."""
+        """JSON-safe dict (plain ints, floats and bools; every float finite). The short-chunk
+        bounds appear only when they were given."""
+        extra = {}
+        if self.short_chunk_thresholds is not None:
+            extra["short_chunk_thresholds"] = asdict(self.short_chunk_thresholds)
         return {
             "verified": self.verified,
             "num_chunks": len(self.chunks),
@@ -87,6 +92,7 @@ class VerificationReport:
             "worst_mant_err_median": self.worst_mant_err_median,
             "thresholds": asdict(self.thresholds),
             "chunks": [asdict(chunk) for chunk in self.chunks],
+            **extra,
         }
 
 
@@ -97,13 +103,17 @@ def _finite(value: float) -> float:
 
 
 def verify_rows(
-    rows: torch.Tensor, fp: Fingerprint, thresholds: Thresholds | None = None
+    rows: torch.Tensor,
+    fp: Fingerprint,
+    thresholds: Thresholds | None = None,
+    short_chunk_thresholds: Thresholds | None = None,
 ) -> VerificationReport:
     """Check recomputed activation rows [n_rows, H] against a decoded fingerprint.
 
     Rows are rounded to bf16 (proof values are bf16) and moved to the CPU. Raises
     FingerprintError when the rows do not fit the fingerprint (row count, or a chunk smaller than
-    topk). ``thresholds`` defaults to ``Thresholds.for_topk(fp.topk)``.
+    topk). ``thresholds`` defaults to ``Thresholds.for_topk(fp.topk)``; ``short_chunk_thresholds``
+    (e.g. from a calibration file) replace them for a final chunk of fewer than chunk_size rows.
     """
     import toploc
 
@@ -138,11 +148,15 @@ def verify_rows(
     )
     if len(chunks) != fp.num_chunks:
         raise FingerprintError(f"toploc returned {len(chunks)} results for {fp.num_chunks} proofs")
+    bounds = [thresholds] * len(chunks)
+    if short_chunk_thresholds is not None and n_rows % fp.chunk_size:
+        bounds[-1] = short_chunk_thresholds
     return VerificationReport(
         chunks=chunks,
         thresholds=thresholds,
         worst_exp_mismatches=max(chunk.exp_mismatches for chunk in chunks),
         worst_mant_err_mean=max(chunk.mant_err_mean for chunk in chunks),
         worst_mant_err_median=max(chunk.mant_err_median for chunk in chunks),
-        verified=all(chunk.within(thresholds) for chunk in chunks),
+        verified=all(chunk.within(bound) for chunk, bound in zip(chunks, bounds)),
+        short_chunk_thresholds=short_chunk_thresholds,
     )
