@@ -37,6 +37,12 @@ class RLServerArgs(ServerArgs):
     toploc_verification_max_mant_err_median: A[
         float, "sglang-rl: fail a chunk whose median mantissa error is above this (default 8)."
     ] = 8.0
+    toploc_verification_calibration: A[
+        Optional[str],
+        "sglang-rl: calibration file of the served model (written by python -m sglang_rl.calibrate): "
+        "its per-chunk bounds, with separate ones for a short final chunk, replace the uncalibrated "
+        "defaults and the --toploc-verification-max-* flags.",
+    ] = None
 
     drafter_cotrain: A[
         bool,
@@ -76,13 +82,55 @@ class RLServerArgs(ServerArgs):
         if self.toploc_verification_topk < 1 or self.toploc_verification_topk > 4096:
             raise ValueError("--toploc-verification-topk must be between 1 and 4096")
         if self.toploc_verification and self.speculative_algorithm:
-            raise ValueError(
-                "--toploc-verification does not support speculative decoding: a fingerprint is built "
-                "from one row per decode step, and a speculative step commits several tokens"
-            )
+            self._check_toploc_speculative()
+        if self.toploc_verification_calibration is not None:
+            self._check_toploc_calibration()
         if self.drafter_cotrain:
             self._check_cotrain()
         super().__post_init__()
+
+    def _check_toploc_calibration(self) -> None:
+        """Load the calibration file now, so that a missing, malformed or mismatched one stops the
+        server at start-up with the reason instead of failing every verification request."""
+        from sglang_rl.fingerprint.calibration import load_calibration
+        from sglang_rl.fingerprint.codec import DEFAULT_CHUNK_SIZE
+
+        if not self.toploc_verification:
+            raise ValueError("--toploc-verification-calibration needs --toploc-verification")
+        calibration = load_calibration(self.toploc_verification_calibration)
+        if calibration.topk != self.toploc_verification_topk:
+            raise ValueError(
+                f"the calibration file {self.toploc_verification_calibration} was measured with "
+                f"topk={calibration.topk}, the server uses --toploc-verification-topk "
+                f"{self.toploc_verification_topk}"
+            )
+        if calibration.chunk_size != DEFAULT_CHUNK_SIZE:
+            raise ValueError(
+                f"the calibration file {self.toploc_verification_calibration} was measured with "
+                f"chunks of {calibration.chunk_size} rows, the server fingerprints chunks of "
+                f"{DEFAULT_CHUNK_SIZE}"
+            )
+        if (
+            self.toploc_verification_max_exp_mismatches is not None
+            or self.toploc_verification_max_mant_err_mean != 10.0
+            or self.toploc_verification_max_mant_err_median != 8.0
+        ):
+            raise ValueError(
+                "--toploc-verification-calibration sets the bounds: leave the "
+                "--toploc-verification-max-* flags at their defaults"
+            )
+
+    def _check_toploc_speculative(self) -> None:
+        """Fingerprints follow a speculative step's committed run of rows for the algorithms whose
+        rows are known to be in committed order; refuse the others with the reason."""
+        from sglang_rl.adapters.speculative import unsupported_reason
+
+        reason = unsupported_reason(self.speculative_algorithm)
+        if reason is not None:
+            raise ValueError(
+                f"--toploc-verification with --speculative-algorithm "
+                f"{str(self.speculative_algorithm).upper()}: {reason}"
+            )
 
     def _check_cotrain(self) -> None:
         """Refuse a co-training setup that cannot work, with the reason, before anything starts."""

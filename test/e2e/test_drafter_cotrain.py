@@ -22,6 +22,7 @@ import pytest
 import requests
 
 from e2e_servers import Server, e2e_env, start_server
+from toploc_helpers import assert_fingerprints_verify
 
 TRAIN_PROMPTS = 48
 ROUND = 16
@@ -33,7 +34,7 @@ MARGIN = 0.15
 COTRAIN_FLAGS = (
     "--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
     "--speculative-num-draft-tokens", "4", "--drafter-cotrain",
-    "--drafter-cotrain-samples-per-round", str(ROUND), "--drafter-cotrain-steps", "30",
+    "--toploc-verification", "--drafter-cotrain-samples-per-round", str(ROUND), "--drafter-cotrain-steps", "30",
     "--drafter-cotrain-lr", "1e-3", "--drafter-cotrain-soft-topk", "64", "--drafter-cotrain-threads", "1",
 )
 
@@ -62,7 +63,7 @@ def cotrain_server(model_path: str, tmp_path_factory) -> Iterator[Server]:
 
 def chat(url: str, messages: list[dict], opt_out: bool = False) -> dict:
     body = {"model": "default", "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "return_output_ids": True}
+            "return_input_ids": True, "return_output_ids": True}
     if opt_out:
         body["drafter_cotrain"] = False
     resp = requests.post(url + "/v1/chat/completions", json=body, timeout=900)
@@ -76,8 +77,8 @@ def stats(url: str) -> dict:
     return resp.json()
 
 
-def held_out(url: str, prompts: list) -> tuple[float, list[list[int]]]:
-    """Held-out acceptance under the draft now serving, and the greedy output ids."""
+def held_out(url: str, prompts: list) -> tuple[float, list[dict]]:
+    """Held-out acceptance under the draft now serving, and the responses' messages."""
     before = stats(url)
     with ThreadPoolExecutor(len(HELD_OUT)) as pool:
         outs = list(pool.map(lambda i: chat(url, prompts[i], opt_out=True), HELD_OUT))
@@ -87,7 +88,7 @@ def held_out(url: str, prompts: list) -> tuple[float, list[list[int]]]:
     tokens = after["held_out_tokens"][-1] - before["held_out_tokens"][-1]
     steps = after["held_out_verify_steps"][-1] - before["held_out_verify_steps"][-1]
     assert tokens == sum(o["usage"]["completion_tokens"] for o in outs) and steps > 0
-    return tokens / steps, [o["choices"][0]["message"]["output_ids"] for o in outs]
+    return tokens / steps, [o["choices"][0]["message"] for o in outs]
 
 
 def wait_rounds(url: str, rounds: int, timeout: float = 600) -> dict:
@@ -107,7 +108,8 @@ def test_cotraining_raises_held_out_acceptance(cotrain_server: Server, toploc_se
     prompts = gsm8k()
     start = stats(url)
     assert start["trainer_alive"] and start["rounds"] == 0 and start["policy_version"] == 0, start
-    acc0, ids0 = held_out(url, prompts)
+    acc0, messages0 = held_out(url, prompts)
+    ids0 = [m["output_ids"] for m in messages0]
 
     for k in range(TRAIN_PROMPTS // ROUND):
         with ThreadPoolExecutor(8) as pool:
@@ -119,7 +121,8 @@ def test_cotraining_raises_held_out_acceptance(cotrain_server: Server, toploc_se
     assert trained["rounds"] >= TRAIN_PROMPTS // ROUND
     assert len(trained["loss"]) == trained["rounds"] and all(v > 0 for v in trained["loss"])
     assert len(trained["acceptance_length"]) == trained["rounds"] + 1
-    acc1, ids1 = held_out(url, prompts)
+    acc1, messages1 = held_out(url, prompts)
+    ids1 = [m["output_ids"] for m in messages1]
     print(f"\n[cotrain] held-out acceptance {acc0:.3f} -> {acc1:.3f}; per round "
           f"{trained['acceptance_length']}; loss {trained['loss']}", flush=True)
     assert acc1 >= acc0 + MARGIN, (acc0, acc1, trained)
@@ -130,6 +133,8 @@ def test_cotraining_raises_held_out_acceptance(cotrain_server: Server, toploc_se
     with ThreadPoolExecutor(len(HELD_OUT)) as pool:
         plain = list(pool.map(lambda i: chat(toploc_server.url, prompts[i]), HELD_OUT))
     assert [p["choices"][0]["message"]["output_ids"] for p in plain] == ids0
+    # and the fingerprints of the swapped-in drafter's runs verify without speculative decoding
+    assert_fingerprints_verify(toploc_server.url, messages1)
 
     metrics = requests.get(url + "/metrics", timeout=60).text
     rounds_line = [line for line in metrics.splitlines() if line.startswith("sglang_rl:drafter_cotrain_rounds")]

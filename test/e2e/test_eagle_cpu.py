@@ -12,6 +12,9 @@ runs, not only the reject-everything path of a random drafter.
 The target decides every token: greedy output ids with EAGLE must equal those of the server
 without speculative decoding, for prompts sent together (batched verify), over /generate, chat
 completions and streaming, and `meta_info.spec_verify_ct` counts the verify steps.
+
+The server also runs --toploc-verification: its fingerprints cover the committed runs of the verify
+steps and verify on a server without speculative decoding, and the other way round.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from safetensors.torch import load_file, save_file
 
 from e2e_servers import Server, start_server
 from hidden_states_fixtures import check_response, generate, hs_fields
+from toploc_helpers import assert_fingerprints_verify
 
 STEPS = 3  # draft steps per verify; topk 1 makes a chain of STEPS drafts + the bonus token
 REPEATING = "Repeat the word hello ten times: hello hello hello"
@@ -87,7 +91,7 @@ def write_drafter(target: Path, out: Path, seed: int = 0) -> Path:
 def eagle_server(model_path: str, tmp_path_factory) -> Iterator[Server]:
     drafter = write_drafter(Path(model_path), tmp_path_factory.mktemp("eagle") / "drafter")
     server = start_server(
-        model_path, "--enable-return-hidden-states",
+        model_path, "--enable-return-hidden-states", "--toploc-verification",
         "--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", str(drafter),
         "--speculative-num-steps", str(STEPS), "--speculative-eagle-topk", "1",
         "--speculative-num-draft-tokens", str(STEPS + 1),
@@ -160,3 +164,13 @@ def test_hidden_state_rows_under_eagle(eagle_server: Server, hf) -> None:
     assert meta["spec_verify_ct"] < meta["completion_tokens"], meta
     check_response(hf, meta, mode=True, fmt="list", scope="all", last_n=None, final=True, what="eagle")
     assert meta["output_ids"] == generate(eagle_server.url, REPEATING, 20)["meta_info"]["output_ids"]
+
+
+def test_fingerprints_under_eagle_verify_without_speculative_decoding(eagle_server: Server,
+                                                                      toploc_server: Server) -> None:
+    """Batched EAGLE generations (whole draft chains accepted for the repeating prompt) verify on
+    the plain TOPLOC server, and that server's generations verify on the EAGLE server."""
+    eagle = [out["meta_info"] for out in _all_at_once(eagle_server.url)]
+    assert eagle[0]["spec_verify_ct"] * 2 <= eagle[0]["completion_tokens"], eagle[0]
+    assert_fingerprints_verify(toploc_server.url, eagle)
+    assert_fingerprints_verify(eagle_server.url, [out["meta_info"] for out in _all_at_once(toploc_server.url)])

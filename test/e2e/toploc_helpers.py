@@ -286,3 +286,26 @@ def summarize(reports: list[dict]) -> dict:
         "exp_mismatches_min_median_max": [exp[0], exp[len(exp) // 2], exp[-1]] if exp else None,
         "mant_err_mean_min_median_max": [mean[0], mean[len(mean) // 2], mean[-1]] if mean else None,
     }
+
+
+def assert_fingerprints_verify(verifier: str, metas: list[dict]) -> list[dict]:
+    """Each response's fingerprint verifies in its exact-token form on `verifier`, covering exactly
+    its returned tokens, and fails against the next response's ids. Returns the reports."""
+    def own(meta: dict) -> tuple[int, dict]:
+        return verify_tokens(verifier, meta["input_ids"] + meta["output_ids"], last_fp(meta))
+
+    def other(pair: tuple[dict, dict]) -> tuple[int, dict]:
+        meta, wrong = pair
+        return verify_tokens(verifier, wrong["input_ids"] + wrong["output_ids"], last_fp(meta))
+
+    reports = []
+    for meta, (status, result) in zip(metas, pmap(own, metas)):
+        assert status == 200, result
+        assert result.get("verified") is True, (meta["output_ids"], result)
+        assert result["response_tokens"] == len(meta["output_ids"]), result
+        reports.append(result)
+    pairs = list(zip(metas, metas[1:] + metas[:1]))
+    for (meta, wrong), (status, result) in zip(pairs, pmap(other, pairs)):
+        if meta["output_ids"] != wrong["output_ids"] or meta["input_ids"] != wrong["input_ids"]:
+            assert status != 200 or result.get("verified") is False, result
+    return reports

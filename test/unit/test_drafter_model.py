@@ -208,6 +208,7 @@ def test_build_eagle_batch_forward_equals_per_sample_pairs() -> None:
 
 
 def test_bfloat16_forward_runs_in_bfloat16() -> None:
+    torch.manual_seed(0)  # bf16 rounding of a random draw can exceed any fixed bound now and then
     model = make_drafter(raw_config())
     ref_model = copy.deepcopy(model)
     model = model.to(torch.bfloat16)

@@ -7,9 +7,11 @@ import pytest
 from sglang_rl.server_args import RLServerArgs
 
 
-@pytest.mark.parametrize("algorithm", ["EAGLE", "NGRAM"])
-def test_toploc_refuses_speculative_decoding(algorithm: str) -> None:
-    with pytest.raises(ValueError, match="does not support speculative decoding"):
+@pytest.mark.parametrize("algorithm", ["EAGLE3", "STANDALONE"])
+def test_toploc_refuses_speculative_algorithms_it_cannot_follow(algorithm: str) -> None:
+    """EAGLE, NEXTN and NGRAM are served (test/e2e/test_toploc_speculative.py); the others are
+    refused before anything starts, with the reason."""
+    with pytest.raises(ValueError, match=f"--speculative-algorithm {algorithm}: .*supported: EAGLE, NEXTN, NGRAM"):
         RLServerArgs(model_path="unused", toploc_verification=True, speculative_algorithm=algorithm)
 
 

@@ -204,12 +204,12 @@ def decode_result_around(original: Callable, processor: Any, batch: Any, result:
     if hidden is not None:
         stride = result.speculative_num_draft_tokens or 1
         accepted = result.accept_lens.tolist() if result.accept_lens is not None else None
-        builders, rows = [], []
+        builders, rows, counts = [], [], []
         collectors = []
         for i, req in enumerate(batch.reqs):
+            count = accepted[i] if accepted is not None else 1
             for rows_of in _row_collectors(req):
                 if rows_of.stores and not rows_of.done and not (req.finished() or req.is_retracted):
-                    count = accepted[i] if accepted is not None else 1
                     position = len(req.origin_input_ids) + len(req.output_ids) - 1
                     collectors.append((rows_of, i * stride, count, position))
             collector = getattr(req, HS_ATTR, None)
@@ -219,9 +219,10 @@ def decode_result_around(original: Callable, processor: Any, batch: Any, result:
                 # returned: its row must not enter the fingerprint, which covers output_ids only
                 if not (req.finished() or req.is_retracted or _in_final_row_step(collector)):
                     builders.append(state)
-                    rows.append(i * stride)
+                    rows.extend(range(i * stride, i * stride + count))
+                    counts.append(count)
         if builders:
-            toploc.add_builder_rows(builders, _take(hidden, rows), _topk())
+            toploc.add_builder_rows(builders, _take(hidden, rows), _topk(), counts)
         if collectors:
             hidden_states.add_decode_rows(collectors, _private_host_rows(hidden, processor))
     return original(processor, batch, result)

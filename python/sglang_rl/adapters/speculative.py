@@ -7,7 +7,8 @@ sits at the front of the request's block:
 * EAGLE / NEXTN: the worker moves the accepted path to the front itself;
 * NGRAM: it does not (its drafts form a tree with side branches), so `ngram_sample_around`
   does that move right after the verify step's sampling, when rows were captured.
-Other algorithms are refused for hidden-state requests (`check_rows_supported`).
+Fingerprints (TOPLOC) take the same runs. Other algorithms are refused: for hidden-state requests
+(`check_rows_supported`) and, with --toploc-verification, at start-up (`unsupported_reason`).
 """
 
 from __future__ import annotations
@@ -25,17 +26,25 @@ _REFUSALS = {
 }
 
 
+def unsupported_reason(algorithm: Optional[str]) -> Optional[str]:
+    """Why a server's speculative rows cannot follow the committed tokens, or None when they do
+    (also None without speculative decoding)."""
+    if not algorithm or str(algorithm).upper() in SUPPORTED:
+        return None
+    name = str(algorithm).upper()
+    reason = _REFUSALS.get(name, "its verify step's rows are not known to follow the committed tokens")
+    return f"{reason} (supported: {', '.join(SUPPORTED)})"
+
+
 def check_rows_supported(algorithm: Optional[str]) -> None:
     """Refuse hidden-state fields on a server whose speculative rows cannot follow the committed
     tokens (None: no speculative decoding)."""
-    if not algorithm or str(algorithm).upper() in SUPPORTED:
-        return
-    name = str(algorithm).upper()
-    reason = _REFUSALS.get(name, "its verify step's rows are not known to follow the committed tokens")
-    raise RequestOptionError(
-        f"hidden_states_* fields are not supported with --speculative-algorithm {name}: {reason} "
-        f"(supported: {', '.join(SUPPORTED)})"
-    )
+    reason = unsupported_reason(algorithm)
+    if reason is not None:
+        raise RequestOptionError(
+            f"hidden_states_* fields are not supported with --speculative-algorithm "
+            f"{str(algorithm).upper()}: {reason}"
+        )
 
 
 def accepted_rows_to_front(rows: torch.Tensor, accept_index: torch.Tensor, block: int) -> torch.Tensor:

