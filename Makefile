@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 STAMP := .venv/.setup-stamp
 
-.PHONY: setup demo demo-cotrain test test-unit fuzz model
+.PHONY: setup demo demo-cotrain test test-unit fuzz soak model
 
 setup: $(STAMP)
 
@@ -23,6 +23,10 @@ test: setup
 
 fuzz: setup
 	$(PY) scripts/fuzz_http.py --cases 10000
+
+# not part of `make test`: about 15 minutes (a burst of 256 requests, then a 10-minute soak)
+soak: setup
+	$(PY) scripts/soak.py --burst 256 --soak-seconds 600
 
 test-unit: setup
 	$(PY) -m pytest test/unit -v

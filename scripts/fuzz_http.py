@@ -21,16 +21,12 @@ import sys
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import requests
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "test"))
+from load_common import honest_sample, start_feature_server  # the server and material `make soak` uses too
 
-from conftest import Server  # noqa: E402 - the same CPU server launcher as the tests
-
-from sglang_rl.request_options import ALL_FIELDS  # noqa: E402
+from sglang_rl.request_options import ALL_FIELDS
 
 FP = "toploc_verification_fingerprint_to_validate"
 ODD = [None, True, False, 0, 1, -1, 2, 7, 2**31, -(2**63), 1e300, float("nan"), 0.5, "", "x", "true",
@@ -146,17 +142,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--concurrency", type=int, default=8)
     args = parser.parse_args()
-    from sglang_rl.default_model import ensure_default_model
-
-    server = Server(str(ensure_default_model()), "--sleep-on-idle", "--toploc-verification",
-                    "--enable-return-hidden-states", log_name="fuzz")
+    server = start_feature_server("fuzz")
     try:
         url = server.url
-        honest = requests.post(url + "/generate", json={
-            "text": "The quick brown fox", "return_input_ids": True, "return_output_ids": True,
-            "sampling_params": {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}}, timeout=300).json()
-        meta = honest["meta_info"]
-        material = {"ids": meta["input_ids"] + meta["output_ids"], "fp": meta["toploc_verification_fingerprints"][-1]}
+        material = honest_sample(url)
         reference = canary(url)
         rng = random.Random(args.seed)
         counts: Counter = Counter()

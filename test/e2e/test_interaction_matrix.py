@@ -1,5 +1,6 @@
 """Every pair of request features, generated from one table, on the server that has them all
-(TOPLOC on, hidden states on, radix cache on, 64-token chunked prefill).
+(TOPLOC on, hidden states on, radix cache on, 64-token chunked prefill), with streams whose
+client hangs up after the first chunk in the same batches.
 
 A feature is a row of FEATURES: the request fields it adds, and the check of its own contract on
 each returned choice. A pair is sent as one /v1/chat/completions request (/v1/completions for the
@@ -62,17 +63,22 @@ FEATURES: dict[str, Feature] = {
     "stream": Feature({"stream": True}, _no_check),
     "n2": Feature({"n": 2, "temperature": 0.8}, _no_check),
     "completions": Feature({}, _no_check),  # /v1/completions instead of chat (see _send)
+    # a streamed request whose client goes away after the first chunk: it is aborted in the
+    # same batches as every other pair, which must still get their own, complete answers
+    "disconnect": Feature({"stream": True}, _no_check),
 }
 # pairs that must be refused, with a piece of the reason
 UNSUPPORTED = {
     frozenset({"kcbs", "stream"}): "streaming",
     frozenset({"kcbs", "n2"}): "n > 1",
+    frozenset({"kcbs", "disconnect"}): "streaming",
     **{frozenset({"kcbs", r}): "not hidden-state rows" for r in FEATURES if r.startswith("rows")},
 }
 # the row variants are alternatives of one feature (one request has one row format), not a pair
 PAIRS = [(a, b) for a, b in itertools.combinations(FEATURES, 2)
          if not (a.startswith("rows") and b.startswith("rows"))] + [(f,) for f in FEATURES]
 PROMPT = [{"role": "user", "content": "Name three colors of the rainbow."}]
+DISCONNECTED = 499  # the client closed the stream (nginx's code for it)
 
 
 def _send(url: str, names: tuple) -> tuple[int, Any]:
@@ -87,6 +93,10 @@ def _send(url: str, names: tuple) -> tuple[int, Any]:
     resp = post(url, path, body, stream=bool(body.get("stream")))
     if resp.status_code != 200:
         return resp.status_code, resp.text
+    if "disconnect" in names:
+        next(line for line in resp.iter_lines() if line)  # the first chunk, then hang up
+        resp.close()
+        return DISCONNECTED, None
     if not body.get("stream"):
         choices = sorted(resp.json()["choices"], key=lambda c: c["index"])
         return 200, [c["message"] if chat else c for c in choices]
@@ -104,7 +114,25 @@ def answers(hs_server: Server) -> dict:
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(len(PAIRS)) as pool:
-        return dict(zip(PAIRS, pool.map(lambda p: _send(hs_server.url, p), PAIRS)))
+        result = dict(zip(PAIRS, pool.map(lambda p: _send(hs_server.url, p), PAIRS)))
+    _assert_idle(hs_server.url)
+    return result
+
+
+def _assert_idle(url: str) -> None:
+    """After the aborted streams: nothing left running or waiting, and no KV token held."""
+    import time
+
+    import requests
+
+    deadline = time.time() + 60
+    while True:
+        load = requests.get(f"{url}/v1/loads", params={"include": "core"}, timeout=30).json()["loads"][0]
+        busy = load["num_running_reqs"] or load["num_waiting_reqs"] or load["num_used_tokens"]
+        if not busy or time.time() > deadline:
+            break
+        time.sleep(0.5)
+    assert not busy, load
 
 
 @pytest.mark.parametrize("names", PAIRS, ids=["+".join(p) for p in PAIRS])
@@ -113,6 +141,9 @@ def test_pair(names: tuple, answers: dict, hs_server: Server, hf) -> None:
     reason = UNSUPPORTED.get(frozenset(names))
     if reason is not None:
         assert status == 400 and reason in result, (status, str(result)[:500])
+        return
+    if "disconnect" in names:
+        assert status == DISCONNECTED, str(result)[:1000]
         return
     assert status == 200, str(result)[:1000]
     assert len(result) == (2 if "n2" in names else 1)
