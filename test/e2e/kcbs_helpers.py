@@ -254,7 +254,14 @@ def stream_generate(url: str, body: dict) -> dict:
 def flush_cache(url: str) -> None:
     """Empty the radix cache (between tests whose results are compared, so that one test's
     cached prefixes cannot change another test's results)."""
-    resp = requests.post(url + "/flush_cache", timeout=120)
+    import time
+
+    deadline = time.time() + 120
+    while True:  # sglang refuses to flush while requests run (e.g. an earlier test's aborts settling)
+        resp = requests.post(url + "/flush_cache", timeout=120)
+        if resp.status_code == 200 or time.time() > deadline:
+            break
+        time.sleep(0.5)
     assert resp.status_code == 200, resp.text
 
 

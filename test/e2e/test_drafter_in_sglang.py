@@ -77,21 +77,40 @@ def eagle_server(model_path: str, drafter) -> Iterator[Server]:
     server.stop()
 
 
-def predict(model, ids: torch.Tensor, prompt_len: int, rows: torch.Tensor) -> tuple[int, list[int]]:
-    """Verify steps and the accepted-draft-token histogram of greedy EAGLE with a topk=1 chain."""
+TIE_MARGIN = 0.02  # logits closer than this may flip between the server's rows and HF's (~1e-5 apart)
+
+
+def predict(model, ids: torch.Tensor, prompt_len: int, rows: torch.Tensor) -> tuple[list[int], bool, int]:
+    """The accepted draft tokens of each verify step of greedy EAGLE with a topk=1 chain; whether
+    the last step's chain ran past the end of the known tokens (the server, which generates past
+    max_new_tokens and then cuts, may accept more there); and the number of steps whose outcome
+    rests on a near-tie of the drafter's logits (a draft token up to the first rejected one whose
+    top two logits are within TIE_MARGIN)."""
     from sglang_rl.drafter import greedy_draft_chain
 
     full = ids.tolist()
     committed = prompt_len + 1  # the prefill samples the first token
-    accepted = []
+    accepted, ties, open_end = [], 0, False
     while committed < len(full):
-        chain = greedy_draft_chain(model, ids[:committed], rows[:committed - 1], STEPS).tokens.tolist()
+        draft = greedy_draft_chain(model, ids[:committed], rows[:committed - 1], STEPS)
+        chain = draft.tokens.tolist()
         n = 0
         while n < len(chain) and committed + n < len(full) and full[committed + n] == chain[n]:
             n += 1
+        open_end = committed + n == len(full) and n < len(chain)
+        with torch.no_grad():
+            top2 = model.logits(draft.rows[: min(n + 1, len(chain))].to(model.fc.weight)).float().topk(2).values
+        ties += bool(((top2[:, 0] - top2[:, 1]) < TIE_MARGIN).any())
         accepted.append(n)
         committed += n + 1
-    return len(accepted), [accepted.count(i) for i in range(STEPS + 1)]
+    return accepted, open_end, ties
+
+
+def histograms(accepted: list[int], open_end: bool) -> list[list[int]]:
+    """The accepted-count histograms the server may report: the last step's count may be higher
+    when its chain ran past the known tokens."""
+    lasts = range(accepted[-1], STEPS + 1) if open_end else [accepted[-1]]
+    return [[(accepted[:-1] + [last]).count(i) for i in range(STEPS + 1)] for last in lasts]
 
 
 def test_server_drafts_what_the_torch_module_drafts(eagle_server: Server, drafter, greedy) -> None:
@@ -106,12 +125,19 @@ def test_server_drafts_what_the_torch_module_drafts(eagle_server: Server, drafte
         out = resp.json()
         assert out["output_ids"] == ids[prompt_len:].tolist(), "EAGLE changed the greedy output"
         meta = out["meta_info"]
-        steps, histogram = predict(model, ids, prompt_len, rows)
+        accepted, open_end, ties = predict(model, ids, prompt_len, rows)
+        steps, candidates = len(accepted), histograms(accepted, open_end)
+        histogram = candidates[0]
         print(f"\n[eagle] server verify steps {meta['spec_verify_ct']} histogram "
-              f"{meta.get('spec_accept_histogram')}; torch module {steps} {histogram}", flush=True)
-        assert meta["spec_verify_ct"] == steps
+              f"{meta.get('spec_accept_histogram')}; torch module {steps} {candidates}, near-ties {ties}",
+              flush=True)
         server_histogram = list(meta["spec_accept_histogram"])  # sglang drops trailing zeros
-        assert server_histogram + [0] * (STEPS + 1 - len(server_histogram)) == histogram
+        server_histogram += [0] * (STEPS + 1 - len(server_histogram))
+        # exact, except that each step decided by a near-tie may go the other way on the server
+        # (and move the steps after it): a wrong weight or order changes far more than that
+        assert abs(meta["spec_verify_ct"] - steps) <= ties, (meta["spec_verify_ct"], steps, ties)
+        distance = min(sum(abs(a - b) for a, b in zip(server_histogram, c)) for c in candidates)
+        assert distance <= 2 * ties, (server_histogram, candidates, ties)
         totals = [a + b for a, b in zip(totals, histogram)]
     assert sum(totals[1:]) > 0, f"no draft token was ever accepted: the comparison says little ({totals})"
     print(json.dumps({"accepted_histogram": totals}))

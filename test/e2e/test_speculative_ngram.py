@@ -143,3 +143,21 @@ def test_proofs_equal_toploc_of_the_delivered_rows(ngram_server: Server) -> None
         fp = decode(last_fp(meta))
         assert fp.n_rows == n
         assert list(fp.proofs) == expected
+
+
+def test_every_pair_of_the_interaction_matrix_under_ngram(ngram_server: Server, hf) -> None:
+    """The interaction matrix (test_interaction_matrix.py) on this server: every pair of request
+    features in flight at once under NGRAM speculative decoding, each answer checked against its
+    own contracts and its fingerprint against its own ids and another request's."""
+    from test_interaction_matrix import PAIRS, check_pair, send_all
+
+    # k-CBS runs beams of plain decode steps: refused under speculative decoding
+    refused = {frozenset(p): "k-CBS is not supported with speculative decoding" for p in PAIRS if "kcbs" in p}
+    failures = []
+    for names, (status, result) in send_all(ngram_server.url).items():
+        try:
+            check_pair(names, status, result, ngram_server.url, hf, refused)
+        except AssertionError as exc:
+            failures.append(f"{'+'.join(names)}: {str(exc)[:300]}")
+    assert not failures, "\n".join(failures)
+    assert_serving(ngram_server.url)
