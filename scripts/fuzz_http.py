@@ -35,6 +35,7 @@ ODD = [None, True, False, 0, 1, -1, 2, 7, 2**31, -(2**63), 1e300, float("nan"), 
 VALID = {
     "return_input_ids": [True, False], "return_output_ids": [True, False],
     "toploc_verification_expect_greedy": [True, False],
+    "toploc_verification_expect_sampled": [True, False],
     "hidden_states_format": ["list", "base64"], "hidden_states_scope": ["all", "response", "last_n"],
     "hidden_states_last_n": [1, 3, 8], "return_final_hidden_state": [True, False],
     "kcbs_enabled": [True, False], "kcbs_beam_width": [1, 2, 3], "kcbs_steps": [1, 2],

@@ -31,6 +31,7 @@ from typing import Any, Optional
 FINGERPRINTS_FIELD = "toploc_verification_fingerprints"
 FINGERPRINT_TO_VALIDATE = "toploc_verification_fingerprint_to_validate"
 EXPECT_GREEDY = "toploc_verification_expect_greedy"
+EXPECT_SAMPLED = "toploc_verification_expect_sampled"
 RESULT_FIELD = "toploc_verification_fingerprint_validation_result"
 
 CHAT_ENDPOINT = "/v1/chat/completions"
@@ -221,6 +222,7 @@ def token_request(
     endpoint: str = COMPLETIONS_ENDPOINT,
     model: str = "default",
     expect_greedy: bool = False,
+    expect_sampled: bool = False,
 ) -> VerificationRequest:
     """Exact-token form: prefill input_ids + output_ids; the last n tokens are the response."""
     info = fingerprint_info(fingerprint)
@@ -236,9 +238,19 @@ def token_request(
     else:
         raise ClientError(f"the token form goes to {GENERATE_ENDPOINT} or {COMPLETIONS_ENDPOINT}")
     body[FINGERPRINT_TO_VALIDATE] = fingerprint
-    if expect_greedy:
-        body[EXPECT_GREEDY] = True
+    _expect(body, expect_greedy, expect_sampled)
     return VerificationRequest("token", endpoint, body)
+
+
+def _expect(body: dict, greedy: bool, sampled: bool) -> None:
+    """How the response was decoded, when the verdict should also check it: greedily (every token
+    the argmax) or sampled at temperature 1 (the sampling test)."""
+    if greedy and sampled:
+        raise ClientError("a response is either greedy or sampled: give one of the two expectations")
+    if greedy:
+        body[EXPECT_GREEDY] = True
+    if sampled:
+        body[EXPECT_SAMPLED] = True
 
 
 def chat_request(
@@ -248,6 +260,7 @@ def chat_request(
     *,
     model: str = "default",
     expect_greedy: bool = False,
+    expect_sampled: bool = False,
 ) -> VerificationRequest:
     """Chat form: the original messages plus the assistant reply, prefill only."""
     fingerprint_info(fingerprint)
@@ -259,8 +272,7 @@ def chat_request(
         "max_tokens": 0,
         FINGERPRINT_TO_VALIDATE: fingerprint,
     }
-    if expect_greedy:
-        body[EXPECT_GREEDY] = True
+    _expect(body, expect_greedy, expect_sampled)
     return VerificationRequest("chat", CHAT_ENDPOINT, body)
 
 
@@ -272,6 +284,7 @@ def requests_for(
     token_endpoint: str = COMPLETIONS_ENDPOINT,
     model: Optional[str] = None,
     expect_greedy: bool = False,
+    expect_sampled: bool = False,
 ) -> list[VerificationRequest]:
     """The verification request(s) for a generation.
 
@@ -294,14 +307,14 @@ def requests_for(
                 )
             out.append(token_request(gen.input_ids, gen.output_ids, gen.fingerprint,
                                      endpoint=token_endpoint, model=model,
-                                     expect_greedy=expect_greedy))
+                                     expect_greedy=expect_greedy, expect_sampled=expect_sampled))
         elif item == "chat":
             if gen.kind != "chat":
                 raise ClientError("the chat form only applies to chat completion responses")
             if messages is None:
                 raise ClientError("the chat form needs the original messages (--messages FILE)")
             out.append(chat_request(messages, gen.text, gen.fingerprint, model=model,
-                                    expect_greedy=expect_greedy))
+                                    expect_greedy=expect_greedy, expect_sampled=expect_sampled))
         else:
             raise ClientError(
                 "cannot build a verification request: the response has no input_ids/output_ids "
@@ -388,4 +401,8 @@ def summarize(result: dict) -> str:
         if result.get("expect_greedy"):
             line += " (required: expect_greedy)"
         lines.append(line)
+    if "sampling_z" in result:
+        lines.append(f"sampling test (temperature 1): Z = {result['sampling_z']:.2f} over "
+                     f"{result.get('sampling_checked')} tokens, bound |Z| <= {result.get('sampling_max_z')}: "
+                     f"{'consistent' if result.get('sampling_consistent') else 'NOT consistent'}")
     return "\n".join(lines)

@@ -55,6 +55,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--expect-greedy", action="store_true",
                         help="also require every response token to be the model's argmax "
                         "(for temperature-0 generations)")
+    parser.add_argument("--expect-sampled", action="store_true",
+                        help="also require the sampling test to pass (for generations sampled at "
+                        "temperature 1 without top-k/top-p/min-p)")
     parser.add_argument("--timeout", type=float, default=600, help="HTTP timeout in seconds")
     parser.add_argument("--json", action="store_true", help="print the raw results as JSON only")
     args = parser.parse_args(argv)
@@ -68,7 +71,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             model = tc.served_model(url)
         endpoint = tc.GENERATE_ENDPOINT if args.token_endpoint == "generate" else tc.COMPLETIONS_ENDPOINT
         requests = tc.requests_for(gen, messages=messages, form=args.form, token_endpoint=endpoint,
-                                   model=model, expect_greedy=args.expect_greedy)
+                                   model=model, expect_greedy=args.expect_greedy,
+                                   expect_sampled=args.expect_sampled)
     except tc.ClientError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

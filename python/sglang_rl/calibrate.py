@@ -200,7 +200,8 @@ def summary(records: Sequence[dict], policy: ThresholdPolicy, defaults: Threshol
     return out
 
 
-def plot(records: Sequence[dict], results: dict[str, Any], cal: Calibration, path: str) -> bool:
+def plot(records: Sequence[dict], results: dict[str, Any], cal: Calibration, path: str,
+         title: str = "cheats vs honest recomputation") -> bool:
     """Top row: ROC per response and per worker after N responses, one panel per cheat (held-out
     prompts, calibrated bounds). Bottom row: the per-chunk distribution of each statistic, honest
     vs each cheat, with the calibrated and the default full-chunk bounds. Needs matplotlib."""
@@ -255,7 +256,7 @@ def plot(records: Sequence[dict], results: dict[str, Any], cal: Calibration, pat
     for row in axes:
         for ax in row[len(names) if row is axes[0] else len(STATISTICS):]:
             ax.axis("off")
-    fig.suptitle(f"{cal.model_name}, topk {cal.topk}: CPU cheats vs honest float32 recomputation", fontsize=11)
+    fig.suptitle(f"{cal.model_name}, topk {cal.topk}: {title}", fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     return True
@@ -304,6 +305,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--save-stats", help="write all records (measured and read) as JSON lines")
     parser.add_argument("--results", help="write the held-out evaluation (detection, ROC) as JSON")
     parser.add_argument("--plot", help="write ROC curves as PNG (needs matplotlib)")
+    parser.add_argument("--plot-title", default="cheats vs honest recomputation",
+                        help="what the plot compares (its title after the model name)")
     parser.add_argument("--workers", type=int, default=2000, help="simulated workers per case")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--seed", type=int, default=0)
@@ -359,7 +362,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         Path(args.results).write_text(json.dumps(results) + "\n")
     _print_report(cal, results)
     if args.plot:
-        if plot(records, results, cal, args.plot):
+        if plot(records, results, cal, args.plot, args.plot_title):
             print(f"plot: {args.plot}")
         else:
             print("matplotlib is not installed: no plot")

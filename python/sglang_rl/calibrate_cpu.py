@@ -24,6 +24,7 @@ plus gaussian noise of r times its RMS), ``other:{path}`` (another model with th
 from __future__ import annotations
 
 import copy
+import gzip
 import json
 import random
 import sys
@@ -244,10 +245,13 @@ def measure(
 
 
 def read_records(paths: Sequence[str | Path]) -> list[Record]:
-    """Records from JSON-lines files (one record per line; blank lines skipped)."""
+    """Records from JSON-lines files, gzip-compressed when the name ends in .gz (one record per
+    line; blank lines skipped)."""
     out = []
     for path in paths:
-        for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        raw = Path(path).read_bytes()
+        text = (gzip.decompress(raw) if str(path).endswith(".gz") else raw).decode()
+        for number, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
             rec = json.loads(line)
@@ -258,5 +262,7 @@ def read_records(paths: Sequence[str | Path]) -> list[Record]:
 
 
 def write_records(records: Sequence[Record], path: str | Path) -> None:
-    """Save records as JSON lines (the format ``read_records`` and ``--stats`` read)."""
-    Path(path).write_text("".join(json.dumps(r) + "\n" for r in records))
+    """Save records as JSON lines (the format ``read_records`` and ``--stats`` read), gzip-
+    compressed when the name ends in .gz."""
+    data = "".join(json.dumps(r) + "\n" for r in records).encode()
+    Path(path).write_bytes(gzip.compress(data, mtime=0) if str(path).endswith(".gz") else data)

@@ -16,6 +16,7 @@ CUSTOM_PARAMS_KEY = "sglang_rl"
 TOPLOC_FIELDS = (
     "toploc_verification_fingerprint_to_validate",
     "toploc_verification_expect_greedy",
+    "toploc_verification_expect_sampled",
 )
 IDS_FIELDS = ("return_input_ids", "return_output_ids")
 HIDDEN_STATES_FIELDS = (
@@ -61,7 +62,12 @@ def validate_fields(fields: dict, server_args: Any) -> dict:
                 "toploc_verification_fingerprints)"
             )
         out["toploc_verification_fingerprint_to_validate"] = fp
-    for name in ("toploc_verification_expect_greedy",) + IDS_FIELDS:
+    if fields.get("toploc_verification_expect_greedy") and fields.get("toploc_verification_expect_sampled"):
+        raise RequestOptionError(
+            "toploc_verification_expect_greedy and toploc_verification_expect_sampled exclude each "
+            "other: a response was either decoded greedily or sampled at temperature 1"
+        )
+    for name in ("toploc_verification_expect_greedy", "toploc_verification_expect_sampled") + IDS_FIELDS:
         value = fields.get(name)
         if value is None:
             continue

@@ -37,6 +37,12 @@ class RLServerArgs(ServerArgs):
     toploc_verification_max_mant_err_median: A[
         float, "sglang-rl: fail a chunk whose median mantissa error is above this (default 8)."
     ] = 8.0
+    toploc_verification_max_sampling_z: A[
+        float,
+        "sglang-rl: bound on |Z| of the temperature-1 sampling test of verification requests with "
+        "toploc_verification_expect_sampled (Z is standard normal for honest sampling: 4.0 rejects "
+        "6.3e-5 of honest responses).",
+    ] = 4.0
     toploc_verification_calibration: A[
         Optional[str],
         "sglang-rl: calibration file of the served model (written by python -m sglang_rl.calibrate): "

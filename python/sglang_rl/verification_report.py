@@ -2,14 +2,16 @@
 
 The scheduler compares the prefill's rows with the proofs; here the report is completed with what
 the prefill's own log-probs say about the response tokens (is each one the model's argmax? what
-log-prob did the model give it?), so a verifier can also check greedy responses exactly and judge
-the plausibility of sampled ones.
+log-prob did the model give it?), so a verifier can also check greedy responses exactly and test
+that sampled ones were drawn from the model at temperature 1 (`sglang_rl.fingerprint.sampling`).
 """
 
 from __future__ import annotations
 
 import math
 from typing import Any, Optional
+
+from sglang_rl.fingerprint.sampling import DEFAULT_MAX_Z, SamplingCheck, sampling_check
 
 
 def _token_checks(report: dict, meta: dict) -> dict:
@@ -50,8 +52,29 @@ def _token_checks(report: dict, meta: dict) -> dict:
     return out
 
 
-def finalize_report(report: dict, meta: dict, expect_greedy: bool) -> dict:
-    """Complete the scheduler's report; `verified` also requires greedy consistency if asked."""
+def _sampling_fields(report: dict, meta: dict, max_z: float) -> dict:
+    """The temperature-1 sampling test over the response tokens inside the prefill."""
+    entries = meta.get("input_token_logprobs") or []
+    tops = meta.get("input_top_logprobs") or []
+    prompt_len, start, n = meta.get("prompt_tokens"), report.get("response_start"), report.get("response_tokens")
+    if not entries or prompt_len is None or start is None or n is None:
+        return SamplingCheck(z=0.0, checked=0, max_z=max_z).to_dict()
+    first_pos = prompt_len - len(entries)
+    tokens, logprobs, top_lists, positions = [], [], [], []
+    for pos in range(start, min(start + n, prompt_len)):
+        j = pos - first_pos
+        if 0 <= j < len(entries) and j < len(tops):
+            tokens.append(entries[j][1])
+            logprobs.append(entries[j][0])
+            top_lists.append([(entry[0], entry[1]) for entry in tops[j] or ()])
+            positions.append(pos)
+    return sampling_check(tokens, logprobs, top_lists, positions, max_z).to_dict()
+
+
+def finalize_report(report: dict, meta: dict, expect_greedy: bool = False, expect_sampled: bool = False,
+                    max_sampling_z: float = DEFAULT_MAX_Z) -> dict:
+    """Complete the scheduler's report; `verified` also requires greedy consistency, or a
+    passing temperature-1 sampling test, if asked."""
     out = dict(report)
     if "error" in out:
         out["verified"] = False
@@ -65,5 +88,9 @@ def finalize_report(report: dict, meta: dict, expect_greedy: bool) -> dict:
     if expect_greedy:
         out["expect_greedy"] = True
         verdict = verdict and bool(out.get("greedy_consistent"))
+    if expect_sampled:
+        out["expect_sampled"] = True
+        out.update(_sampling_fields(out, meta, max_sampling_z))
+        verdict = verdict and out["sampling_consistent"]
     out["verified"] = verdict
     return out

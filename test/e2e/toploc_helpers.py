@@ -207,22 +207,22 @@ def _parse_report(fields: dict) -> dict:
 
 
 def verify_tokens(url: str, ids: list[int], fp: Any, *, via: str = "generate",
-                  expect_greedy: Optional[bool] = None, max_tokens: int = 0) -> tuple[int, Any]:
+                  expect_greedy: Optional[bool] = None, max_tokens: int = 0,
+                  expect_sampled: Optional[bool] = None) -> tuple[int, Any]:
     """Exact-token form: input_ids + output_ids as /generate input_ids or a /v1/completions
     token prompt."""
+    flags = {name: value for name, value in (("toploc_verification_expect_greedy", expect_greedy),
+                                             ("toploc_verification_expect_sampled", expect_sampled))
+             if value is not None}
     if via == "generate":
         body: dict = {"input_ids": ids, "sampling_params": {"max_new_tokens": max_tokens},
-                      "toploc_verification_fingerprint_to_validate": fp}
-        if expect_greedy is not None:
-            body["toploc_verification_expect_greedy"] = expect_greedy
+                      "toploc_verification_fingerprint_to_validate": fp, **flags}
         resp = post(url, "/generate", body)
         if resp.status_code != 200:
             return resp.status_code, resp.text
         return 200, _parse_report(resp.json()["meta_info"])
     body = {"model": "default", "prompt": ids, "max_tokens": max_tokens,
-            "toploc_verification_fingerprint_to_validate": fp}
-    if expect_greedy is not None:
-        body["toploc_verification_expect_greedy"] = expect_greedy
+            "toploc_verification_fingerprint_to_validate": fp, **flags}
     resp = post(url, "/v1/completions", body)
     if resp.status_code != 200:
         return resp.status_code, resp.text

@@ -306,3 +306,14 @@ def test_calibrate_cli_from_stat_files(tmp_path: Path, capsys: pytest.CaptureFix
     assert set(cal.histogram.cheats) == {"cheat"}
     assert cal.summary["held_out"]["calibrated"]["cheats"]["cheat"]["workers_rejected_within"]["16"] == 1.0
     assert "wrote" in capsys.readouterr().out
+
+
+def test_records_round_trip_gzip_and_plain(tmp_path: Path) -> None:
+    from sglang_rl.calibrate_cpu import read_records, write_records
+
+    records = synthetic_records()[:20]
+    for name in ("records.jsonl", "records.jsonl.gz"):
+        write_records(records, tmp_path / name)
+        assert read_records([tmp_path / name]) == records
+    assert (tmp_path / "records.jsonl.gz").read_bytes()[:2] == b"\x1f\x8b"
+    assert (tmp_path / "records.jsonl.gz").stat().st_size < (tmp_path / "records.jsonl").stat().st_size

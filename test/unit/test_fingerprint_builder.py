@@ -108,3 +108,66 @@ def test_builders_of_many_requests_with_slots_lent_and_returned_match_toploc() -
     feed(builders, [[1] * n for n in lengths], rows)
     for builder, n, r in zip(builders, lengths, rows):
         assert fingerprint_of(builder, n) == toploc_proofs(r)
+
+
+def test_slot_runs_cover_every_slot_in_order() -> None:
+    """A GPU proof job copies each run of consecutive slots in one transfer: the runs must put
+    every slot at its own position."""
+    rng = random.Random(7)
+    for _ in range(200):
+        slots = rng.sample(range(40), rng.randint(1, 20))
+        if rng.random() < 0.5:
+            slots.sort()
+        placed = [None] * len(slots)
+        for position, first, count in adapter._runs(slots):
+            for offset in range(count):
+                placed[position + offset] = first + offset
+        assert placed == slots
+    assert adapter._runs([3, 4, 5, 9, 10, 2]) == [(0, 3, 3), (3, 9, 2), (5, 2, 1)]
+
+
+def test_a_job_starts_when_old_enough(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Full chunks gather into one proof job, started `max_steps` steps after its first chunk."""
+    pending = adapter.PendingProofs(max_chunks=100, max_steps=3)
+    monkeypatch.setattr(adapter, "_pending", pending)
+    gen = torch.Generator().manual_seed(8)
+    rows = torch.randn(32, HIDDEN, generator=gen)
+    builder, other = adapter.FingerprintBuilder(TOPK), adapter.FingerprintBuilder(TOPK)
+    feed([builder], [[1] * 32], [rows])  # the chunk fills in the 32nd step: 1 step old
+    job = builder._proofs[0][0]
+    assert pending._slots == [builder._last_full] and not job.running() and not job.done()
+    feed([other], [[1, 1]], [torch.randn(2, HIDDEN, generator=gen)])  # 3 steps old: started
+    assert pending._future is None
+    job.result(timeout=30)
+    assert fingerprint_of(builder, 32) == toploc_proofs(rows)
+
+
+def test_a_finishing_request_starts_the_job_and_slots_stay_lent_until_it_ran(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pending = adapter.PendingProofs(max_chunks=100, max_steps=100)
+    monkeypatch.setattr(adapter, "_pending", pending)
+    gen = torch.Generator().manual_seed(10)
+    lengths = [40, 70, 33]
+    rows = [torch.randn(n, HIDDEN, generator=gen) for n in lengths]
+    builders = [adapter.FingerprintBuilder(TOPK) for _ in lengths]
+    feed(builders, [[1] * n for n in lengths], rows)
+    job = builders[1]._proofs[-1][0]
+    assert len(pending._slots) == 4 and not job.done()
+    assert builders[1]._last_full not in adapter._store._free  # lent to the job that has not run
+    for builder, n, r in zip(builders, lengths, rows):
+        assert fingerprint_of(builder, n) == toploc_proofs(r)  # finish() starts the open job
+    assert job.done() and pending._future is None
+
+
+def test_a_full_job_starts_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    pending = adapter.PendingProofs(max_chunks=4, max_steps=100)
+    monkeypatch.setattr(adapter, "_pending", pending)
+    gen = torch.Generator().manual_seed(9)
+    rows = [torch.randn(32, HIDDEN, generator=gen) for _ in range(4)]
+    builders = [adapter.FingerprintBuilder(TOPK) for _ in rows]
+    feed(builders, [[1] * 32] * 4, rows)
+    assert pending._future is None
+    builders[0]._proofs[0][0].result(timeout=30)  # runs without any finish
+    for builder, r in zip(builders, rows):
+        assert fingerprint_of(builder, 32) == toploc_proofs(r)

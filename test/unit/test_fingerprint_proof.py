@@ -154,3 +154,32 @@ def test_empty_inputs() -> None:
     assert build_chunk_proofs(torch.zeros(0, 4, 8), 8) == []
     nothing = torch.zeros(0, 8, dtype=torch.int64)
     assert interpolate(nothing, nothing.to(torch.int32)) == []
+
+
+@pytest.mark.parametrize("topk", [1, 2, 5, 64, 128, 129])
+def test_matrix_path_matches_toploc(topk: int) -> None:
+    """The GPU interpolation (expanded Lagrange form, float64 matmuls) gives toploc's bytes; it
+    runs here on CPU tensors, the same ops a GPU server runs on the device."""
+    generator = torch.Generator().manual_seed(topk)
+    chunks = torch.randn(5, 32, 576, generator=generator).to(torch.bfloat16)
+    indices, bits = select_topk(chunks.reshape(5, -1), topk)
+    assert proof_module._matrix_proofs(indices, bits) == [toploc_proof(c, topk) for c in chunks]
+
+
+def test_matrix_path_with_colliding_indices_and_batch_slices(monkeypatch: pytest.MonkeyPatch) -> None:
+    pairs = [(11, 11 + PRIME), (500, 500 + PRIME - 1), (1234, 1234 + PRIME - 2)]
+    chunks = torch.stack([_colliding_chunk(pairs, seed) for seed in range(3)])
+    expected = [toploc_proof(chunk, 128) for chunk in chunks]
+    indices, bits = select_topk(chunks.reshape(3, -1), 128)
+    monkeypatch.setattr(proof_module, "_LAGRANGE_MAX_ELEMENTS", 2 * 128 * 128)  # slices of 2 rows
+    assert proof_module._matrix_proofs(indices, bits) == expected
+
+
+def test_matrix_path_extreme_points() -> None:
+    """Points at the field's edges (x near PRIME, y = 65535 > PRIME) through the matrix path."""
+    rng = random.Random(6)
+    k = 128
+    x = torch.tensor([[PRIME - 1, 0, 1] + rng.sample(range(2, PRIME - 1), k - 3)], dtype=torch.int64)
+    y = torch.tensor([[65535, 65497, 0] + [rng.randrange(65536) for _ in range(k - 3)]])
+    expected = ProofPoly.from_points(x[0].tolist(), y[0].tolist()).to_bytes()
+    assert proof_module._matrix_proofs(x, y) == [expected]

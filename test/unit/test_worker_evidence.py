@@ -186,3 +186,27 @@ def test_worker_evidence_script(tmp_path: Path, capsys: pytest.CaptureFixture) -
     assert "honest-w: ACCEPT after 12 responses" in out
     assert "lone: UNDECIDED after 1 responses" in out
     assert script.main(["--calibration", str(tmp_path / "nope.json"), str(results)]) == 2
+
+
+def test_sampled_work_is_judged_by_the_z_of_all_its_tokens() -> None:
+    """Honest sampling (each response's Z standard normal) is never accused over many responses;
+    a worker whose responses each sit at Z = -2.4, inside the per-response bound (as sampling at
+    0.7 often is), is rejected once the combined Z passes 5.5."""
+    rng = random.Random(5)
+    chunk = {"exp_mismatches": 0, "mant_err_mean": 0.0, "mant_err_median": 0.0}
+    report = lambda z: {"response_tokens": 64, "chunks": [chunk, chunk], "sampling_z": z,  # noqa: E731
+                        "sampling_checked": 64}
+    for _ in range(50):
+        honest = worker()
+        for _ in range(200):
+            honest.add_report(report(rng.gauss(0.0, 1.0)))
+        assert honest.verdict != REJECT and honest.sampling_rejected_at is None
+    cold = worker()
+    verdicts = [cold.add_report(report(-2.4)) for _ in range(8)]
+    assert verdicts[3] != REJECT and verdicts[-1] == REJECT
+    assert cold.sampling_rejected_at == 6  # -2.4 * sqrt(6) = -5.88 passes 5.5; sqrt(5) does not
+    state = cold.state()
+    assert state["sampling_tokens"] == 8 * 64 and state["sampling_z"] == pytest.approx(-2.4 * math.sqrt(8))
+    plain = worker()
+    plain.add_report({"response_tokens": 64, "chunks": [chunk, chunk]})
+    assert plain.sampling_tokens == 0 and plain.state()["sampling_z"] == 0.0

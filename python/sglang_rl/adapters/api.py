@@ -21,6 +21,7 @@ from sglang_rl.adapters.kcbs import CANDIDATES_FIELD
 from sglang_rl.adapters import transport
 from sglang_rl.adapters.toploc import FINGERPRINTS_FIELD, RESULT_FIELD
 from sglang_rl.fingerprint import FingerprintError, decode_fingerprint
+from sglang_rl.fingerprint.sampling import DEFAULT_MAX_Z, TOP_N as SAMPLING_TOP_N
 from sglang_rl.hidden_states import HiddenStatesOptions
 from sglang_rl.request_options import (
     ALL_FIELDS,
@@ -173,6 +174,7 @@ class _ItemPlan:
     top_logprobs_num: Any
     return_hidden_states: Any
     implicit_logprobs: bool = False
+    max_sampling_z: float = DEFAULT_MAX_Z
 
 
 def prepare_request(obj: Any, server_args: Any, in_process: bool = False) -> None:
@@ -310,6 +312,9 @@ def _prepare_verification(plan: _ItemPlan, params: dict, entry: dict, internal: 
     plan.return_logprob = True
     plan.logprob_start_len = max(start - 1, 0) if start is not None else 0
     plan.top_logprobs_num = max(plan.top_logprobs_num or 0, 1)
+    if entry.get("toploc_verification_expect_sampled"):
+        plan.top_logprobs_num = max(plan.top_logprobs_num, SAMPLING_TOP_N)
+        plan.max_sampling_z = server_args.toploc_verification_max_sampling_z
 
 
 def _prepare_kcbs(plan: _ItemPlan, params: dict, entry: dict) -> None:
@@ -346,8 +351,12 @@ def _finish_meta(out: dict, obj: Any, position: int) -> None:
     if CANDIDATES_FIELD in payload:
         meta[CANDIDATES_FIELD] = payload[CANDIDATES_FIELD]
     if RESULT_FIELD in payload:
-        expect_greedy = bool(options.get("toploc_verification_expect_greedy"))
-        meta[RESULT_FIELD] = json.dumps(finalize_report(payload[RESULT_FIELD], meta, expect_greedy))
+        meta[RESULT_FIELD] = json.dumps(finalize_report(
+            payload[RESULT_FIELD], meta,
+            expect_greedy=bool(options.get("toploc_verification_expect_greedy")),
+            expect_sampled=bool(options.get("toploc_verification_expect_sampled")),
+            max_sampling_z=plan.max_sampling_z if plan is not None else DEFAULT_MAX_Z,
+        ))
     if plan is not None and plan.implicit_logprobs:
         for key in [k for k in meta if "logprobs" in k]:
             meta.pop(key)

@@ -1,9 +1,9 @@
 """Scheduler side of TOPLOC: per-request fingerprint builders and verification of prefills.
 
 Generation: the row that sampled output token j (the lm_head input of that step) is appended to
-the request's builder; every full chunk of 32 rows goes to a background thread that builds the
-toploc proofs for all chunks completed in that step at once, so the scheduler loop never waits on
-top-k or interpolation. When the request finishes, the last partial chunk is added and the
+the request's builder; full chunks of 32 rows are gathered into jobs of many chunks, which a
+background thread turns into toploc proofs (on a GPU server: top-k and interpolation on the GPU),
+so the scheduler loop never waits on top-k or interpolation. When the request finishes, the last partial chunk is added and the
 fingerprint (all proofs, one container string) is posted to the response.
 
 Verification: a prefill-only request carrying a fingerprint captures its prefill rows (FULL mode
@@ -75,7 +75,7 @@ def thresholds_from_server_args(server_args: Any) -> ThresholdPolicy:
 
 
 class RowStore:
-    """CPU chunk buffers of all generating requests in one tensor [slots, 32, H] (bf16), so that a
+    """Host chunk buffers of all generating requests in one tensor [slots, 32, H] (bf16), so that a
     scheduler step writes every request's row with a single indexed copy. A full chunk is not
     copied out: its slot is lent to the proof job (and kept for a speculative cut at finish) while
     the builder goes on in a fresh slot."""
@@ -90,15 +90,22 @@ class RowStore:
             self._free.extend(slot for future, slot in self._lent if future.done())
             self._lent = [(future, slot) for future, slot in self._lent if not future.done()]
         if self.data is None:
-            self.data = torch.empty(64, CHUNK_ROWS, hidden_size, dtype=torch.bfloat16)
+            self.data = self._allocate(64, hidden_size)
             self._free = list(range(63, -1, -1))
         if not self._free:
             old = self.data.shape[0]
-            grown = torch.empty(2 * old, CHUNK_ROWS, hidden_size, dtype=torch.bfloat16)
+            grown = self._allocate(2 * old, hidden_size)
             grown[:old].copy_(self.data)
             self.data = grown  # a proof job still reading the old tensor keeps it alive
             self._free = list(range(2 * old - 1, old - 1, -1))
         return self._free.pop()
+
+    @staticmethod
+    def _allocate(slots: int, hidden_size: int) -> torch.Tensor:
+        """Page-locked on a GPU server, so a proof job copies full chunks straight to the device,
+        asynchronously, without staging them."""
+        pinned = _selection_device() is not None
+        return torch.empty(slots, CHUNK_ROWS, hidden_size, dtype=torch.bfloat16, pin_memory=pinned)
 
     def release(self, slot: int, reader: Optional[Future] = None) -> None:
         """Free a slot; one that a pending proof job (`reader`) still reads is freed after it."""
@@ -135,16 +142,21 @@ def _server_device() -> Optional[str]:
         return None
 
 
-def _prove(chunks: torch.Tensor | list[torch.Tensor], topk: int, device: Optional[torch.device]) -> list[bytes]:
-    """toploc proofs of host chunks. On a GPU server the batched top-k runs on the GPU, on a side
-    stream of its own (it never waits for the forward), and only the selected indices and values
-    come back to the host for the interpolation."""
-    if device is None:
-        return build_chunk_proofs(chunks, topk)
+def _proof_stream(device: torch.device) -> Any:
+    """The side stream proof jobs run on (they never wait for the forward)."""
     stream = _streams.get(device)
     if stream is None:
         stream = _streams[device] = torch.cuda.Stream(device=device)
-    with torch.cuda.device(device), torch.cuda.stream(stream):
+    return stream
+
+
+def _prove(chunks: torch.Tensor | list[torch.Tensor], topk: int, device: Optional[torch.device]) -> list[bytes]:
+    """toploc proofs of host chunks. On a GPU server the batched top-k and the interpolation run
+    on the GPU, on a side stream of its own (it never waits for the forward), and only the proof
+    coefficients come back to the host."""
+    if device is None:
+        return build_chunk_proofs(chunks, topk)
+    with torch.cuda.device(device), torch.cuda.stream(_proof_stream(device)):
         if isinstance(chunks, torch.Tensor):
             return build_chunk_proofs(chunks.pin_memory().to(device, non_blocking=True), topk)
         return build_chunk_proofs([c.to(device, non_blocking=True) for c in chunks], topk)
@@ -152,8 +164,27 @@ def _prove(chunks: torch.Tensor | list[torch.Tensor], topk: int, device: Optiona
 
 def _prove_slots(data: torch.Tensor, slots: list[int], topk: int, device: Optional[torch.device]) -> list[bytes]:
     """Proofs of the full chunks in `slots` of `data`, gathered here, in the proof thread, so the
-    scheduler step that filled them copies nothing."""
-    return _prove(data.index_select(0, torch.tensor(slots, dtype=torch.long)), topk, device)
+    scheduler step that filled them copies nothing. On a GPU server the page-locked slots go to
+    the device one run of consecutive slots per copy, on the proof stream."""
+    if device is None or not data.is_pinned():
+        return _prove(data.index_select(0, torch.tensor(slots, dtype=torch.long)), topk, device)
+    stream = _proof_stream(device)
+    with torch.cuda.device(device), torch.cuda.stream(stream):
+        chunks = torch.empty((len(slots), *data.shape[1:]), dtype=data.dtype, device=device)
+        for start, first, count in _runs(slots):
+            chunks[start : start + count].copy_(data[first : first + count], non_blocking=True)
+        return build_chunk_proofs(chunks, topk)
+
+
+def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
+    """(position, first slot, length) of each run of consecutive slots, in order."""
+    runs: list[tuple[int, int, int]] = []
+    for position, slot in enumerate(slots):
+        if runs and runs[-1][1] + runs[-1][2] == slot:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((position, slot, 1))
+    return runs
 
 
 class FingerprintBuilder:
@@ -207,6 +238,7 @@ class FingerprintBuilder:
     def finish(self, last_proof: Optional[bytes]) -> str:
         """Wait for pending proofs and return the fingerprint string; frees the row slot."""
         self.done = True
+        _pending.flush(self.topk)  # its newest chunks may still wait for their job
         proofs = [future.result()[index] for future, index in self._proofs]
         if last_proof is not None:
             proofs.append(last_proof)
@@ -225,12 +257,64 @@ class FingerprintBuilder:
             self.slot = None
 
 
+class PendingProofs:
+    """Full chunks waiting for their proof job. Chunks fill a few at a time (every step under
+    speculative decoding), and every job costs the proof thread a fixed few dozen kernel launches
+    and host ops that compete with the scheduler for the GIL, so chunks are gathered into one job
+    of up to `max_chunks` chunks, started at the latest `max_steps` steps after its first chunk,
+    or as soon as a request finishes (`flush`). Each chunk gets its future at once: a slot stays
+    lent until the job that reads it is done."""
+
+    def __init__(self, max_chunks: int = 64, max_steps: int = 16) -> None:
+        self.max_chunks = max_chunks
+        self.max_steps = max_steps
+        self._future: Optional[Future] = None
+        self._slots: list[int] = []
+        self._steps = 0
+
+    def add(self, slot: int) -> tuple[Future, int]:
+        """Queue a full chunk; returns its job's future and its index in the job's result."""
+        if self._future is None:
+            self._future, self._slots, self._steps = Future(), [], 0
+        self._slots.append(slot)
+        return self._future, len(self._slots) - 1
+
+    def step(self, topk: int) -> None:
+        """End of a scheduler step: start the job if it is full or old enough."""
+        if self._future is None:
+            return
+        self._steps += 1
+        if len(self._slots) >= self.max_chunks or self._steps >= self.max_steps:
+            self.flush(topk)
+
+    def flush(self, topk: int) -> None:
+        """Start the job of the queued chunks now (a request that finishes waits for it)."""
+        future, slots = self._future, self._slots
+        if future is None:
+            return
+        self._future, self._slots = None, []
+        device = _selection_device()
+
+        def job() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                future.set_result(_prove_slots(_store.data, slots, topk, device))
+            except BaseException as exc:  # noqa: BLE001 - the waiting request reports it
+                future.set_exception(exc)
+
+        _proof_executor().submit(job)
+
+
+_pending = PendingProofs()
+
+
 def add_builder_rows(builders: list[FingerprintBuilder], rows: torch.Tensor, topk: int,
                      counts: Optional[list[int]] = None) -> None:
     """Append rows to builders: `rows` [sum(counts), H] (CPU) holds each builder's run of
     `counts[i]` rows in turn (one row each when counts is None; a speculative step commits a run).
-    Each round of the runs is one indexed write; the proofs of chunks filled in this step are
-    built in one background job, which also gathers their rows (the scheduler copies nothing)."""
+    Each round of the runs is one indexed write; chunks filled in this step join the pending
+    proof job (`PendingProofs`), which gathers their rows itself (the scheduler copies nothing)."""
     if not builders:
         return
     counts = counts or [1] * len(builders)
@@ -255,17 +339,17 @@ def add_builder_rows(builders: list[FingerprintBuilder], rows: torch.Tensor, top
             b.rows_seen += 1
             if b.fill == CHUNK_ROWS:
                 filled.append((b, b.chunk_filled(hidden)))
-    if filled:
-        future = _proof_executor().submit(
-            _prove_slots, _store.data, [slot for _, slot in filled], topk, _selection_device())
-        for index, (b, _) in enumerate(filled):
-            b.attach(future, index)
+    for b, slot in filled:
+        b.attach(*_pending.add(slot))
+    _pending.step(topk)
 
 
 def finish_builders(items: list[tuple[FingerprintBuilder, Any]]) -> None:
     """Finalise the fingerprints of requests finishing in one output batch: each covers exactly
     the request's returned output ids; the last partial chunks are proven together, then each
     fingerprint is posted to its response (aborted requests get none)."""
+    if items:
+        _pending.flush(items[0][0].topk)
     tails, kept = [], []
     for builder, req in items:
         if isinstance(req.finished_reason, FINISH_ABORT):

@@ -16,6 +16,10 @@ average. This module accumulates that evidence as a sequential likelihood-ratio 
   floor, so that a worker that switches to cheating after a long honest run is still caught
   quickly).
 
+Sampled work adds a second, independent test: reports with ``sampling_z`` (verification with
+``toploc_verification_expect_sampled``) are combined into the Z of all the worker's sampled tokens
+(``sglang_rl.fingerprint.sampling``), and ``|Z| >= sampling_reject_z`` rejects as well.
+
 Decision rule: ``reject`` once ``S_n >= log(1/alpha)`` (sticky), ``suspect`` while
 ``S_n >= log(1/suspect_level)``, ``accept`` while ``S_n <= log(accept_level)``, else
 ``undecided``.
@@ -108,6 +112,7 @@ class EvidencePolicy:
     min_responses_to_reject: int = 3
     pseudo_count: float = 0.5
     uniform_weight: float = 0.1
+    sampling_reject_z: float = 5.5
 
     def __post_init__(self) -> None:
         for name in ("false_accusation_rate", "suspect_level", "accept_level", "floor"):
@@ -172,6 +177,9 @@ class WorkerEvidence:
     failed: int = 0
     errors: int = 0
     rejected_at: int | None = None
+    sampling_weighted_z: float = 0.0
+    sampling_tokens: int = 0
+    sampling_rejected_at: int | None = None
 
     @classmethod
     def from_calibration(
@@ -197,7 +205,26 @@ class WorkerEvidence:
         if score is None:
             self.errors += 1
             return self.verdict
-        return self.add_score(score)
+        verdict = self.add_score(score)
+        if report.get("sampling_checked"):
+            self.add_sampling(float(report["sampling_z"]), int(report["sampling_checked"]))
+        return self.verdict if self.sampling_rejected_at is not None else verdict
+
+    def add_sampling(self, z: float, tokens: int) -> None:
+        """Account for one response's temperature-1 sampling test (``sampling_z`` over
+        ``sampling_checked`` tokens). The worker's Z over all its sampled tokens is standard normal
+        while it samples honestly; it is watched after every response, so the bound
+        ``sampling_reject_z`` (5.5) leaves 3.8e-8 per look: at most 3.8e-4 of honest workers are
+        accused within 10,000 responses (union bound)."""
+        self.sampling_weighted_z += z * math.sqrt(tokens)
+        self.sampling_tokens += tokens
+        if self.sampling_rejected_at is None and abs(self.sampling_z) >= self.policy.sampling_reject_z:
+            self.sampling_rejected_at = self.responses
+
+    @property
+    def sampling_z(self) -> float:
+        """The Z of all sampled tokens seen (``sampling.combined_z`` of the responses so far)."""
+        return self.sampling_weighted_z / math.sqrt(self.sampling_tokens) if self.sampling_tokens else 0.0
 
     def add_score(self, score: float) -> str:
         """Account for one response's score (see ``response_score``); returns the verdict."""
@@ -213,7 +240,7 @@ class WorkerEvidence:
     @property
     def verdict(self) -> str:
         """reject (sticky), suspect, accept or undecided, by the rule in the module docstring."""
-        if self.rejected_at is not None:
+        if self.rejected_at is not None or self.sampling_rejected_at is not None:
             return REJECT
         if self.statistic >= -math.log(self.policy.suspect_level):
             return SUSPECT
@@ -242,4 +269,7 @@ class WorkerEvidence:
             "rejected_at_response": self.rejected_at,
             "thresholds_source": self.thresholds.source,
             "false_accusation_bound": self.policy.honest_bound(self.responses),
+            "sampling_z": self.sampling_z,
+            "sampling_tokens": self.sampling_tokens,
+            "sampling_rejected_at_response": self.sampling_rejected_at,
         }

@@ -3,9 +3,11 @@
 A TOPLOC proof of a chunk of activations is the polynomial over GF(65497) that maps each of the
 chunk's top-k flat indices (by magnitude, reduced by an "injective modulus") to the bf16 bit
 pattern of the value stored there. toploc builds proofs one chunk at a time; here the top-k
-selection runs as one batched call on the activations' device and the interpolation runs
-vectorised over all proofs on the CPU, so fingerprinting many sequences costs a few tensor ops
-instead of a Python loop per chunk.
+selection runs as one batched call on the activations' device, and so does the interpolation:
+on the CPU the Newton form vectorised over all proofs in numpy, on a GPU an expanded Lagrange
+form in a few dozen batched kernels (exact float64 matmuls), so fingerprinting many sequences
+costs a few tensor ops instead of a Python loop per chunk, and only the coefficients leave the
+GPU.
 
 Serialised proof layout (toploc's ``ProofPoly.to_bytes``): the modulus as u16 big-endian, then the
 k polynomial coefficients in ascending degree, each as u16 big-endian (2 + 2k bytes).
@@ -13,6 +15,7 @@ k polynomial coefficients in ascending degree, each as u16 big-endian (2 + 2k by
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from collections.abc import Sequence
 
@@ -80,14 +83,15 @@ def _injective_moduli(indices: torch.Tensor) -> torch.Tensor:
     shrink so that one block's residues stay within _MAX_SEARCH_ELEMENTS.
     """
     batch, k = indices.shape
-    moduli = torch.zeros(batch, dtype=torch.int64)
-    open_rows = torch.arange(batch)
+    device = indices.device
+    moduli = torch.zeros(batch, dtype=torch.int64, device=device)
+    open_rows = torch.arange(batch, device=device)
     top = PRIME
     block_sizes = list(_FIRST_BLOCKS)
     while open_rows.numel() and top >= 1:
         wanted = block_sizes.pop(0) if block_sizes else _BLOCK
         size = min(wanted, top, max(1, _MAX_SEARCH_ELEMENTS // (open_rows.numel() * k)))
-        candidates = torch.arange(top, top - size, -1, dtype=torch.int64)
+        candidates = torch.arange(top, top - size, -1, dtype=torch.int64, device=device)
         residues = indices[open_rows].unsqueeze(1) % candidates.view(1, -1, 1)
         ordered = residues.sort(dim=2).values
         injective = (ordered[..., 1:] != ordered[..., :-1]).all(dim=2)
@@ -128,6 +132,114 @@ def _newton_coefficients(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(coeffs)
 
 
+_LAGRANGE_MAX_ELEMENTS = 2**24
+"""Batch slice of the matrix path: at most this many [k, k] power-table entries at once."""
+
+_device_inverses: dict[torch.device, torch.Tensor] = {}
+
+
+@functools.lru_cache(maxsize=64)
+def _toeplitz_index(length: int, device: torch.device) -> torch.Tensor:
+    """[2L-1, L] gather index of the product matrix T[s, t] = a[s - t] (index L: a zero pad)."""
+    shift = torch.arange(2 * length - 1, device=device)[:, None] - torch.arange(length, device=device)[None, :]
+    return torch.where((shift >= 0) & (shift < length), shift, length)
+
+
+@functools.lru_cache(maxsize=16)
+def _hankel_index(k: int, device: torch.device) -> torch.Tensor:
+    """[k, k] gather index H[j, e] = j + 1 + e, clamped to 2k (a zero pad)."""
+    return (torch.arange(k, device=device)[:, None] + 1 + torch.arange(k, device=device)[None, :]).clamp(max=2 * k)
+
+
+def _product_tree(roots: torch.Tensor) -> torch.Tensor:
+    """Ascending coefficients [B, k+1] of prod_i (t - roots[:, i]) mod PRIME, multiplied pairwise
+    in log2(k) rounds; each round's products are one batched matmul of Toeplitz matrices.
+    ``roots`` is float64 with integer values in 0..PRIME-1."""
+    batch, k = roots.shape
+    width = 1 << max(0, (k - 1).bit_length())
+    polys = torch.zeros(batch, width, 2, dtype=torch.float64, device=roots.device)
+    polys[:, :, 0] = 1.0  # padding factors are the constant 1
+    polys[:, :k, 0] = torch.fmod(PRIME - roots, PRIME)
+    polys[:, :k, 1] = 1.0
+    while polys.shape[1] > 1:
+        left, right = polys[:, 0::2], polys[:, 1::2]
+        pairs, length = left.shape[1], left.shape[2]
+        padded = torch.cat([left, left.new_zeros(batch, pairs, 1)], dim=2)
+        toeplitz = padded[:, :, _toeplitz_index(length, roots.device)]
+        polys = torch.fmod(torch.matmul(toeplitz, right.unsqueeze(-1)).squeeze(-1), PRIME)
+    return polys[:, 0, : k + 1]
+
+
+def _lagrange_coefficients(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The same polynomial as ``_newton_coefficients``, in O(log k) batched tensor ops on the
+    inputs' device, for the GPU, where the Newton form's 2k sequential steps would each be a
+    kernel launch.
+
+    With M(t) = prod (t - x_i) and w_i = y_i / M'(x_i), the coefficients are
+    c_j = sum_{m > j} M_m * A_{m-j-1} with A_e = sum_i w_i x_i^e (Lagrange's form, expanded).
+    The sums run as float64 matmuls: every operand is an integer below PRIME and every partial
+    sum stays below k * PRIME**2 < 2**53, so they are exact; reductions use fmod, which is exact.
+    """
+    device = x.device
+    xs = x.to(torch.float64)
+    ys = y.to(torch.float64)
+    batch, k = xs.shape
+    master = _product_tree(xs)
+    powers = torch.empty(batch, k, k, dtype=torch.float64, device=device)
+    powers[:, :, 0] = 1.0
+    filled, x_to_filled = 1, xs
+    while filled < k:  # x^(filled + e) = x^e * x^filled: doubling, log2(k) steps
+        step = min(filled, k - filled)
+        powers[:, :, filled : filled + step] = torch.fmod(powers[:, :, :step] * x_to_filled.unsqueeze(-1), PRIME)
+        x_to_filled = torch.fmod(x_to_filled * x_to_filled, PRIME)
+        filled += step
+    degrees = torch.arange(1, k + 1, dtype=torch.float64, device=device)
+    derivative = torch.fmod(master[:, 1:] * degrees, PRIME)
+    at_roots = torch.fmod(torch.bmm(powers, derivative.unsqueeze(-1)).squeeze(-1), PRIME)
+    inverse = _device_inverses.get(device)
+    if inverse is None:
+        inverse = _device_inverses[device] = _inverses().to(device=device, dtype=torch.float64)
+    weights = torch.fmod(ys * inverse[at_roots.to(torch.int64)], PRIME)
+    moments = torch.fmod(torch.bmm(weights.unsqueeze(1), powers).squeeze(1), PRIME)
+    padded = torch.cat([master, master.new_zeros(batch, k)], dim=1)
+    coeffs = torch.fmod(torch.bmm(padded[:, _hankel_index(k, device)], moments.unsqueeze(-1)).squeeze(-1), PRIME)
+    return coeffs.to(torch.int64)
+
+
+def _pack(moduli: torch.Tensor, coeffs: torch.Tensor) -> list[bytes]:
+    """toploc's byte layout: u16 big-endian modulus, then the coefficients (CPU int64 inputs)."""
+    batch, k = coeffs.shape
+    words = torch.cat([moduli.unsqueeze(1), coeffs], dim=1)
+    packed = torch.stack([words >> 8, words & 0xFF], dim=2).to(torch.uint8).reshape(batch, -1)
+    raw = packed.numpy().tobytes()
+    width = proof_num_bytes(k)
+    return [raw[row * width : (row + 1) * width] for row in range(batch)]
+
+
+def proofs_from_selection(indices: torch.Tensor, value_bits: torch.Tensor) -> list[bytes]:
+    """Proofs of a trusted top-k selection (``select_topk``'s output) on its own device: on a GPU
+    the modulus search and the interpolation run there, and only the coefficients come back; on
+    the CPU the Newton form in numpy is the faster one."""
+    if indices.device.type == "cpu":
+        return _interpolate_checked(indices, value_bits, check=False)
+    return _matrix_proofs(indices, value_bits)
+
+
+def _matrix_proofs(indices: torch.Tensor, value_bits: torch.Tensor) -> list[bytes]:
+    """Proofs through ``_lagrange_coefficients`` on the inputs' device (any device)."""
+    batch, k = indices.shape
+    if batch == 0:
+        return []
+    x = indices.to(torch.int64)
+    moduli = _injective_moduli(x)
+    residues = x % moduli.unsqueeze(1)
+    values = value_bits.to(torch.int64) % PRIME
+    rows = max(1, _LAGRANGE_MAX_ELEMENTS // (k * k))
+    coeffs = torch.cat([_lagrange_coefficients(residues[i : i + rows], values[i : i + rows])
+                        for i in range(0, batch, rows)])
+    return _pack(moduli.cpu(), coeffs.cpu())
+
+
 def interpolate(indices: torch.Tensor, value_bits: torch.Tensor) -> list[bytes]:
     """Serialised toploc proofs for rows of top-k flat indices and their bf16 bit patterns.
 
@@ -139,6 +251,10 @@ def interpolate(indices: torch.Tensor, value_bits: torch.Tensor) -> list[bytes]:
             f"indices and value_bits must be equal 2-D shapes, got {tuple(indices.shape)} "
             f"and {tuple(value_bits.shape)}"
         )
+    return _interpolate_checked(indices, value_bits, check=True)
+
+
+def _interpolate_checked(indices: torch.Tensor, value_bits: torch.Tensor, check: bool) -> list[bytes]:
     batch, k = indices.shape
     if batch == 0:
         return []
@@ -146,20 +262,16 @@ def interpolate(indices: torch.Tensor, value_bits: torch.Tensor) -> list[bytes]:
         raise ValueError("topk must be at least 1")
     x = indices.to("cpu", torch.int64)
     y = value_bits.to("cpu", torch.int64)
-    if int(x.min()) < 0 or int(x.max()) > MAX_FLAT_INDEX:
-        raise ValueError(f"flat indices must lie in 0..{MAX_FLAT_INDEX}")
-    if int(y.min()) < 0 or int(y.max()) > 0xFFFF:
-        raise ValueError("value_bits must be 16-bit patterns in 0..65535")
-    ordered = x.sort(dim=1).values
-    if bool((ordered[:, 1:] == ordered[:, :-1]).any()):
-        raise ValueError("indices must be distinct within each row")
+    if check:
+        if int(x.min()) < 0 or int(x.max()) > MAX_FLAT_INDEX:
+            raise ValueError(f"flat indices must lie in 0..{MAX_FLAT_INDEX}")
+        if int(y.min()) < 0 or int(y.max()) > 0xFFFF:
+            raise ValueError("value_bits must be 16-bit patterns in 0..65535")
+        ordered = x.sort(dim=1).values
+        if bool((ordered[:, 1:] == ordered[:, :-1]).any()):
+            raise ValueError("indices must be distinct within each row")
     moduli = _injective_moduli(x)
-    coeffs = _newton_coefficients(x % moduli.unsqueeze(1), y % PRIME)
-    words = torch.cat([moduli.unsqueeze(1), coeffs], dim=1)
-    packed = torch.stack([words >> 8, words & 0xFF], dim=2).to(torch.uint8).reshape(batch, -1)
-    raw = packed.numpy().tobytes()
-    width = proof_num_bytes(k)
-    return [raw[row * width : (row + 1) * width] for row in range(batch)]
+    return _pack(moduli, _newton_coefficients(x % moduli.unsqueeze(1), y % PRIME))
 
 
 def build_chunk_proofs(chunks: Sequence[torch.Tensor] | torch.Tensor, topk: int) -> list[bytes]:
@@ -179,8 +291,7 @@ def build_chunk_proofs(chunks: Sequence[torch.Tensor] | torch.Tensor, topk: int)
             raise ValueError(f"each chunk has {flat.shape[1]} elements, fewer than topk={topk}")
         if flat.shape[1] - 1 > MAX_FLAT_INDEX:
             raise ValueError("chunks have more than 2**31 elements")
-        indices, bits = select_topk(flat, topk)
-        return interpolate(indices.cpu(), bits.cpu())
+        return proofs_from_selection(*select_topk(flat, topk))
     chunk_list = list(chunks)
     groups: dict[tuple[int, torch.device], list[int]] = defaultdict(list)
     for position, chunk in enumerate(chunk_list):
@@ -194,7 +305,6 @@ def build_chunk_proofs(chunks: Sequence[torch.Tensor] | torch.Tensor, topk: int)
     proofs: list[bytes] = [b""] * len(chunk_list)
     for positions in groups.values():
         flat = torch.stack([chunk_list[p].reshape(-1) for p in positions])
-        indices, bits = select_topk(flat, topk)
-        for position, proof in zip(positions, interpolate(indices.cpu(), bits.cpu())):
+        for position, proof in zip(positions, proofs_from_selection(*select_topk(flat, topk))):
             proofs[position] = proof
     return proofs

@@ -1,0 +1,63 @@
+"""The temperature-1 sampling test on a real server: honest sampled responses pass, greedy or
+hotter responses presented as temperature-1 samples fail at the worker level (one short,
+low-entropy response carries little evidence), and the two expectations exclude each other."""
+
+from __future__ import annotations
+
+import pytest
+
+from toploc_helpers import gen_generate, pmap, post, verify_tokens
+from sglang_rl.calibrate_cpu import gsm8k_prompts
+from sglang_rl.fingerprint.sampling import combined_z
+
+MAX_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer) -> list[list[int]]:
+    return gsm8k_prompts(tokenizer, 8, offset=300)
+
+
+def _checked(url: str, prompts: list[list[int]], temperature: float, via: str = "generate") -> list[dict]:
+    samples = [s for group in pmap(lambda p: gen_generate(url, input_ids=p, max_tokens=MAX_TOKENS,
+                                                          temperature=temperature), prompts) for s in group]
+    results = pmap(lambda s: verify_tokens(url, s["input_ids"] + s["output_ids"], s["fingerprint"], via=via,
+                                           expect_sampled=True), samples)
+    assert all(status == 200 for status, _ in results), results
+    reports = [report for _, report in results]
+    for sample, report in zip(samples, reports):
+        assert report["fingerprint_verified"], report  # the prefill is honest in every case
+        assert report["expect_sampled"] is True
+        assert report["sampling_checked"] == len(sample["output_ids"])
+    return reports
+
+
+def _worker_z(reports: list[dict]) -> float:
+    return combined_z([r["sampling_z"] for r in reports], [r["sampling_checked"] for r in reports])
+
+
+def test_honest_temperature_1_samples_pass(toploc_server, prompts) -> None:
+    reports = _checked(toploc_server.url, prompts, 1.0)
+    assert all(r["verified"] and r["sampling_consistent"] for r in reports), [r["sampling_z"] for r in reports]
+    assert abs(_worker_z(reports)) < 4.0
+    completions = _checked(toploc_server.url, prompts[:2], 1.0, via="completions")
+    assert all(r["verified"] for r in completions)
+
+
+@pytest.mark.parametrize("temperature,sign", [(0.0, -1), (1.6, 1)])
+def test_other_temperatures_fail_at_the_worker_level(toploc_server, prompts, temperature, sign) -> None:
+    reports = _checked(toploc_server.url, prompts, temperature)
+    assert sign * _worker_z(reports) > 4.0, [r["sampling_z"] for r in reports]
+    assert all((r["verified"] == r["sampling_consistent"]) for r in reports)
+
+
+def test_greedy_and_sampled_expectations_exclude_each_other(toploc_server, prompts) -> None:
+    sample = gen_generate(toploc_server.url, input_ids=prompts[0], max_tokens=8)[0]
+    resp = post(toploc_server.url, "/generate", {
+        "input_ids": sample["input_ids"] + sample["output_ids"], "sampling_params": {"max_new_tokens": 0},
+        "toploc_verification_fingerprint_to_validate": sample["fingerprint"],
+        "toploc_verification_expect_greedy": True, "toploc_verification_expect_sampled": True})
+    assert resp.status_code == 400 and "exclude each other" in resp.text
+    status, report = verify_tokens(toploc_server.url, sample["input_ids"] + sample["output_ids"],
+                                   sample["fingerprint"], expect_greedy=True)
+    assert status == 200 and report["verified"] and "sampling_z" not in report
