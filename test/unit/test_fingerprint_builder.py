@@ -10,12 +10,14 @@ toploc's own proofs of those rows, chunk by chunk, whatever the runs and whereve
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import toploc
 import torch
 
 from sglang_rl.adapters import toploc as adapter
+from sglang_rl.adapters import transport
 from sglang_rl.fingerprint import FingerprintError, decode_fingerprint
 
 TOPK = 16
@@ -63,12 +65,17 @@ def test_runs_and_cut_match_toploc(seed: int) -> None:
         assert fingerprint_of(builder, returned) == toploc_proofs(own[:returned])
 
 
-def test_cut_reaching_into_the_last_full_chunk() -> None:
-    """33 rows, 3 of them past the end: the full chunk's proof is replaced by a 30-row one."""
+@pytest.mark.parametrize("max_steps", [1, 100])
+def test_cut_reaching_into_the_last_full_chunk(monkeypatch: pytest.MonkeyPatch, max_steps: int) -> None:
+    """33 rows, 3 of them past the end: the full chunk's proof is replaced by a 30-row one,
+    whether its job has started (max_steps 1) or the chunk is still queued (100)."""
+    pending = adapter.PendingProofs(max_chunks=100, max_steps=max_steps)
+    monkeypatch.setattr(adapter, "_pending", pending)
     rows = torch.randn(33, HIDDEN)
     builder = adapter.FingerprintBuilder(TOPK)
     feed([builder], [[4] * 7 + [5]], [rows])
     assert fingerprint_of(builder, 30) == toploc_proofs(rows[:30])
+    assert pending.future is None and not pending.queue
 
 
 def test_one_row_per_step_is_unchanged() -> None:
@@ -134,30 +141,65 @@ def test_a_job_starts_when_old_enough(monkeypatch: pytest.MonkeyPatch) -> None:
     rows = torch.randn(32, HIDDEN, generator=gen)
     builder, other = adapter.FingerprintBuilder(TOPK), adapter.FingerprintBuilder(TOPK)
     feed([builder], [[1] * 32], [rows])  # the chunk fills in the 32nd step: 1 step old
-    job = builder._proofs[0][0]
-    assert pending._slots == [builder._last_full] and not job.running() and not job.done()
+    chunk = builder.chunks[0]
+    assert pending.queue == [chunk] and not chunk.job.running() and not chunk.job.done()
     feed([other], [[1, 1]], [torch.randn(2, HIDDEN, generator=gen)])  # 3 steps old: started
-    assert pending._future is None
-    job.result(timeout=30)
+    assert pending.future is None
+    chunk.job.result(timeout=30)
+    assert chunk.proof is not None
     assert fingerprint_of(builder, 32) == toploc_proofs(rows)
 
 
-def test_a_finishing_request_starts_the_job_and_slots_stay_lent_until_it_ran(
+def _finishing(n_tokens: int) -> SimpleNamespace:
+    return SimpleNamespace(finished_reason=None, output_ids_through_stop=[0] * n_tokens, rid="r")
+
+
+def _posted(req: SimpleNamespace) -> list[bytes]:
+    fingerprint = getattr(req, transport._PENDING_ATTR)[adapter.FINGERPRINTS_FIELD][0]
+    return list(decode_fingerprint(fingerprint, expected_topk=TOPK).proofs)
+
+
+def test_finishing_requests_prove_their_own_queued_chunks_and_leave_the_others_queued(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """A request that finishes takes its full chunks out of the pending job and proves them with
+    its last partial chunk; the job of the others is neither started nor waited for, and slots
+    lent to it stay lent until it has run."""
     pending = adapter.PendingProofs(max_chunks=100, max_steps=100)
     monkeypatch.setattr(adapter, "_pending", pending)
     gen = torch.Generator().manual_seed(10)
-    lengths = [40, 70, 33]
+    lengths = [40, 70, 33, 75]
     rows = [torch.randn(n, HIDDEN, generator=gen) for n in lengths]
     builders = [adapter.FingerprintBuilder(TOPK) for _ in lengths]
     feed(builders, [[1] * n for n in lengths], rows)
-    job = builders[1]._proofs[-1][0]
-    assert len(pending._slots) == 4 and not job.done()
-    assert builders[1]._last_full not in adapter._store._free  # lent to the job that has not run
-    for builder, n, r in zip(builders, lengths, rows):
-        assert fingerprint_of(builder, n) == toploc_proofs(r)  # finish() starts the open job
-    assert job.done() and pending._future is None
+    job = pending.future
+    assert len(pending.queue) == 6 and not job.done()
+    retired = builders[1].chunks[0]  # its slot went back when the request's second chunk filled
+    assert retired.released and retired.job is job and retired.slot not in adapter._store._free
+
+    first = [_finishing(40), _finishing(70)]
+    adapter.finish_builders(list(zip(builders[:2], first)))
+    assert [_posted(r) for r in first] == [toploc_proofs(rows[0]), toploc_proofs(rows[1])]
+    assert len(pending.queue) == 3 and pending.future is job and not job.done()
+    assert retired.slot not in adapter._store._free  # still lent: the job has not run
+
+    pending.flush(TOPK)
+    job.result(timeout=30)
+    rest = [_finishing(33), _finishing(75)]
+    adapter.finish_builders(list(zip(builders[2:], rest)))
+    assert [_posted(r) for r in rest] == [toploc_proofs(rows[2]), toploc_proofs(rows[3])]
+    assert pending.future is None and not pending.queue
+
+
+def test_an_aborted_request_leaves_the_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    pending = adapter.PendingProofs(max_chunks=100, max_steps=100)
+    monkeypatch.setattr(adapter, "_pending", pending)
+    builder = adapter.FingerprintBuilder(TOPK)
+    feed([builder], [[1] * 64], [torch.randn(64, HIDDEN)])
+    job = pending.future
+    assert len(pending.queue) == 2
+    builder.release()
+    assert not pending.queue and pending.future is None and job.done()
 
 
 def test_a_full_job_starts_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -167,7 +209,8 @@ def test_a_full_job_starts_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
     rows = [torch.randn(32, HIDDEN, generator=gen) for _ in range(4)]
     builders = [adapter.FingerprintBuilder(TOPK) for _ in rows]
     feed(builders, [[1] * 32] * 4, rows)
-    assert pending._future is None
-    builders[0]._proofs[0][0].result(timeout=30)  # runs without any finish
+    assert pending.future is None
+    builders[0].chunks[0].job.result(timeout=30)  # runs without any finish
+    assert all(b.chunks[0].proof is not None for b in builders)
     for builder, r in zip(builders, rows):
         assert fingerprint_of(builder, 32) == toploc_proofs(r)

@@ -60,6 +60,35 @@ def test_mixed_chunk_sizes_keep_input_order() -> None:
     assert build_chunk_proofs(chunks, 64) == expected
 
 
+def _tie_free_rows(n_rows: int, hidden: int, generator: torch.Generator) -> torch.Tensor:
+    """bf16 rows whose |x| are all distinct, so every top-k is the same set whatever the tie
+    order of the top-k implementation."""
+    exponents = torch.arange(-20, 21, dtype=torch.float32).repeat_interleave(128)
+    mantissas = torch.arange(128, dtype=torch.float32).repeat(41)
+    magnitudes = torch.ldexp(1 + mantissas / 128, exponents.to(torch.int32))
+    picked = magnitudes[torch.randperm(magnitudes.numel(), generator=generator)[: n_rows * hidden]]
+    signs = torch.randint(0, 2, picked.shape, generator=generator) * 2 - 1
+    return (picked * signs).to(torch.bfloat16).view(n_rows, hidden)
+
+
+def test_one_padded_call_for_mixed_sizes_matches_toploc() -> None:
+    """The accelerators' path: chunks of many sizes in one padded top-k (tie-free values: the
+    CPU's top-k may order ties differently in a longer row, as a GPU's does)."""
+    generator = torch.Generator().manual_seed(2)
+    chunks = [_tie_free_rows(n, 64, generator) for n in (32, 5, 32, 17, 1, 31, 2)]
+    assert build_chunk_proofs(chunks, 64, ragged=True) == [toploc_proof(c, 64) for c in chunks]
+
+
+def test_padding_is_never_selected() -> None:
+    """A chunk of exactly topk elements, mostly zeros, padded beside long chunks: every one of
+    its own elements is selected, none of the padding."""
+    generator = torch.Generator().manual_seed(5)
+    small = torch.zeros(1, 64, dtype=torch.bfloat16)
+    small[0, [3, 40]] = torch.tensor([-2.0, 0.5], dtype=torch.bfloat16)
+    chunks = [_tie_free_rows(32, 64, generator), small, _tie_free_rows(3, 64, generator)]
+    assert build_chunk_proofs(chunks, 64, ragged=True) == [toploc_proof(c, 64) for c in chunks]
+
+
 def _colliding_chunk(pairs: list[tuple[int, int]], seed: int) -> torch.Tensor:
     """A [32, 4096] chunk whose largest values sit at the given index pairs (131072 > 2 * PRIME)."""
     generator = torch.Generator().manual_seed(seed)

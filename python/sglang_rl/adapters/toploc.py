@@ -83,12 +83,12 @@ class RowStore:
     def __init__(self) -> None:
         self.data: Optional[torch.Tensor] = None
         self._free: list[int] = []
-        self._lent: list[tuple[Future, int]] = []
+        self._lent: dict[Future, list[int]] = {}  # slots a proof job still reads, by job
 
     def acquire(self, hidden_size: int) -> int:
-        if self._lent:
-            self._free.extend(slot for future, slot in self._lent if future.done())
-            self._lent = [(future, slot) for future, slot in self._lent if not future.done()]
+        if self._lent:  # few jobs, many slots: look at each job once
+            for future in [f for f in self._lent if f.done()]:
+                self._free.extend(self._lent.pop(future))
         if self.data is None:
             self.data = self._allocate(64, hidden_size)
             self._free = list(range(63, -1, -1))
@@ -112,13 +112,12 @@ class RowStore:
         if reader is None or reader.done():
             self._free.append(slot)
         else:
-            self._lent.append((reader, slot))
+            self._lent.setdefault(reader, []).append(slot)
 
-    def write(self, slots: list[int], fills: list[int], rows: torch.Tensor) -> None:
-        """rows[i] -> chunk row fills[i] of slot slots[i], as one index_copy_ into the flat view."""
+    def write(self, index: list[int], rows: torch.Tensor) -> None:
+        """rows[i] -> flat row index[i] (slot * 32 + row in chunk), as one index_copy_."""
         flat = self.data.view(-1, self.data.shape[-1])
-        index = torch.tensor(slots, dtype=torch.long) * CHUNK_ROWS + torch.tensor(fills, dtype=torch.long)
-        flat.index_copy_(0, index, rows)
+        flat.index_copy_(0, torch.tensor(index, dtype=torch.long), rows)
 
 
 _store = RowStore()
@@ -187,6 +186,28 @@ def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
+class _Chunk:
+    """A full chunk of one request: its row slot, the job that will read it (the pending job's
+    future, set when the chunk is queued) and its proof once built. `released`: the slot went
+    back to the store (freed once that job is done, so its rows stay readable until then)."""
+
+    __slots__ = ("slot", "job", "proof", "released")
+
+    def __init__(self, slot: int) -> None:
+        self.slot = slot
+        self.job: Optional[Future] = None
+        self.proof: Optional[bytes] = None
+        self.released = False
+
+    def wait(self) -> bytes:
+        """The proof, waiting for the job that builds it."""
+        if self.proof is None and self.job is not None:
+            self.job.result()
+        if self.proof is None:
+            raise FingerprintError("a full chunk was left without a proof")
+        return self.proof
+
+
 class FingerprintBuilder:
     """Rows of one generating request, turned into proofs chunk by chunk."""
 
@@ -195,34 +216,35 @@ class FingerprintBuilder:
         self.rows_seen = 0
         self.slot: Optional[int] = None
         self.fill = 0
-        self._proofs: list[tuple[Future, int]] = []
-        self._last_full: Optional[int] = None  # the slot of the newest full chunk, lent to its proof
-        self._last_future: Optional[Future] = None  # the proof job that reads it
+        self.chunks: list[_Chunk] = []  # full chunks, in order; only the newest keeps its slot
+        self._cut: Optional[_Chunk] = None  # a full chunk dropped by a speculative cut (rows read at finish)
         self.done = False
 
-    def chunk_filled(self, hidden_size: int) -> int:
+    def chunk_filled(self, hidden_size: int) -> _Chunk:
         """The current slot is full: keep it as the newest full chunk and go on in a fresh slot.
-        Returns the full slot (the previous full one goes back to the store)."""
-        full = self.slot
-        if self._last_full is not None:
-            _store.release(self._last_full, self._last_future)
-        self._last_full = full
+        The previous full chunk's slot goes back to the store once its job has read it."""
+        if self.chunks:
+            self._retire(self.chunks[-1])
+        chunk = _Chunk(self.slot)
+        self.chunks.append(chunk)
         self.slot = _store.acquire(hidden_size)
         self.fill = 0
-        return full
+        return chunk
 
-    def attach(self, future: Future, index: int) -> None:
-        """Record where the proof of this builder's newest full chunk will come from."""
-        self._proofs.append((future, index))
-        self._last_future = future
+    @staticmethod
+    def _retire(chunk: _Chunk) -> None:
+        if not chunk.released:
+            _store.release(chunk.slot, chunk.job)
+            chunk.released = True
 
     def tail(self, n_rows: int) -> Optional[torch.Tensor]:
-        """A copy of the rows of the last, partial chunk of a fingerprint over the first `n_rows`
-        rows (None if there are none). A speculative step's run of rows may go past the request's
-        end (sglang cuts the tokens with finished_len): those rows are dropped here, also from the
-        newest full chunk, whose proof is then replaced by the partial one's."""
+        """The rows of the last, partial chunk of a fingerprint over the first `n_rows` rows (None
+        if there are none), as a view into the row store, valid until `finish` or `release`. A
+        speculative step's run of rows may go past the request's end (sglang cuts the tokens with
+        finished_len): those rows are dropped here, also from the newest full chunk, which then
+        becomes the partial one."""
         excess = self.rows_seen - n_rows
-        reach = self.fill + (CHUNK_ROWS if self._last_full is not None else 0)
+        reach = self.fill + (CHUNK_ROWS if self.chunks else 0)
         if excess < 0 or excess > reach:
             raise FingerprintError(
                 f"the fingerprint saw {self.rows_seen} rows for {n_rows} returned tokens"
@@ -230,16 +252,19 @@ class FingerprintBuilder:
         self.rows_seen = n_rows
         if excess <= self.fill:
             keep = self.fill - excess
-            return _store.data[self.slot, :keep].clone() if keep else None
-        self._proofs.pop()
+            return _store.data[self.slot, :keep] if keep else None
+        self._cut = self.chunks.pop()
+        _pending.take([self._cut])
         keep = CHUNK_ROWS - (excess - self.fill)
-        return _store.data[self._last_full, :keep].clone() if keep else None
+        return _store.data[self._cut.slot, :keep] if keep else None
 
     def finish(self, last_proof: Optional[bytes]) -> str:
-        """Wait for pending proofs and return the fingerprint string; frees the row slot."""
+        """The fingerprint string: the proofs of the full chunks (those still queued are built
+        here; `finish_builders` builds them for a whole batch at once), then `last_proof`.
+        Frees the row slots."""
         self.done = True
-        _pending.flush(self.topk)  # its newest chunks may still wait for their job
-        proofs = [future.result()[index] for future, index in self._proofs]
+        prove_queued([self])
+        proofs = [chunk.wait() for chunk in self.chunks]
         if last_proof is not None:
             proofs.append(last_proof)
         self.release()
@@ -247,11 +272,14 @@ class FingerprintBuilder:
         return encode_fingerprint(fp)
 
     def release(self) -> None:
-        """Give the row slot back (the request finished, with or without a fingerprint)."""
+        """Give the row slots back (the request finished, with or without a fingerprint)."""
         self.done = True
-        if self._last_full is not None:
-            _store.release(self._last_full, self._last_future)
-            self._last_full = None
+        _pending.take(self.chunks)
+        for chunk in (*self.chunks, self._cut):
+            if chunk is not None:
+                self._retire(chunk)
+        self._cut = None
+        _pending.settle()
         if self.slot is not None:
             _store.release(self.slot)
             self.slot = None
@@ -261,47 +289,77 @@ class PendingProofs:
     """Full chunks waiting for their proof job. Chunks fill a few at a time (every step under
     speculative decoding), and every job costs the proof thread a fixed few dozen kernel launches
     and host ops that compete with the scheduler for the GIL, so chunks are gathered into one job
-    of up to `max_chunks` chunks, started at the latest `max_steps` steps after its first chunk,
-    or as soon as a request finishes (`flush`). Each chunk gets its future at once: a slot stays
-    lent until the job that reads it is done."""
+    of up to `max_chunks` chunks, started at the latest `max_steps` steps after its first chunk
+    (default: 16 on a GPU server; 1 on a CPU server, where a proof costs per chunk, in numpy,
+    rather than per job, so holding chunks back only makes the finishing step wait longer).
+    A finishing request takes its own queued chunks out and proves them with its last partial
+    chunk (`prove_queued`), so it neither waits for nor starts the others' job. A queued chunk
+    knows its job's future at once: its slot stays lent until that job is done."""
 
-    def __init__(self, max_chunks: int = 64, max_steps: int = 16) -> None:
+    def __init__(self, max_chunks: int = 64, max_steps: Optional[int] = None) -> None:
         self.max_chunks = max_chunks
         self.max_steps = max_steps
-        self._future: Optional[Future] = None
-        self._slots: list[int] = []
+        self.future: Optional[Future] = None
+        self.queue: list[_Chunk] = []
         self._steps = 0
 
-    def add(self, slot: int) -> tuple[Future, int]:
-        """Queue a full chunk; returns its job's future and its index in the job's result."""
-        if self._future is None:
-            self._future, self._slots, self._steps = Future(), [], 0
-        self._slots.append(slot)
-        return self._future, len(self._slots) - 1
+    def add(self, chunk: _Chunk) -> None:
+        """Queue a full chunk for the next job."""
+        if self.future is None:
+            self.future, self.queue, self._steps = Future(), [], 0
+        chunk.job = self.future
+        self.queue.append(chunk)
+
+    def take(self, chunks: list[_Chunk]) -> list[_Chunk]:
+        """Remove those of `chunks` still queued (their owner proves them, or needs no proof);
+        returns them, in order. They no longer wait for a job; slots lent to the job stay lent
+        until `settle` or the job, so the owner can still read them."""
+        if not self.queue or not chunks:
+            return []
+        wanted = {id(c) for c in chunks}
+        taken = [c for c in self.queue if id(c) in wanted]
+        if taken:
+            self.queue = [c for c in self.queue if id(c) not in wanted]
+            for chunk in taken:
+                chunk.job = None
+        return taken
+
+    def settle(self) -> None:
+        """Close a job that nothing is queued for any more: the slots lent to it come back."""
+        if self.future is not None and not self.queue:
+            self.future.set_result(None)
+            self.future = None
 
     def step(self, topk: int) -> None:
         """End of a scheduler step: start the job if it is full or old enough."""
-        if self._future is None:
+        if self.future is None:
             return
         self._steps += 1
-        if len(self._slots) >= self.max_chunks or self._steps >= self.max_steps:
+        max_steps = self.max_steps or (16 if _selection_device() is not None else 1)
+        if len(self.queue) >= self.max_chunks or self._steps >= max_steps:
             self.flush(topk)
 
     def flush(self, topk: int) -> None:
-        """Start the job of the queued chunks now (a request that finishes waits for it)."""
-        future, slots = self._future, self._slots
+        """Start the job of the queued chunks now."""
+        future, chunks = self.future, self.queue
         if future is None:
             return
-        self._future, self._slots = None, []
+        self.future, self.queue = None, []
+        if not chunks:
+            future.set_result(None)
+            return
+        slots = [chunk.slot for chunk in chunks]
         device = _selection_device()
 
         def job() -> None:
             if not future.set_running_or_notify_cancel():
                 return
             try:
-                future.set_result(_prove_slots(_store.data, slots, topk, device))
+                for chunk, proof in zip(chunks, _prove_slots(_store.data, slots, topk, device)):
+                    chunk.proof = proof
+                future.set_result(None)
             except BaseException as exc:  # noqa: BLE001 - the waiting request reports it
-                future.set_exception(exc)
+                future.set_exception(FingerprintError(f"proof job failed: {exc!r}"))
 
         _proof_executor().submit(job)
 
@@ -309,47 +367,52 @@ class PendingProofs:
 _pending = PendingProofs()
 
 
+def prove_queued(builders: list[FingerprintBuilder], tails: Optional[list[torch.Tensor]] = None) -> list[bytes]:
+    """Build, in this thread and in one call, the proofs of the builders' full chunks still
+    queued for a job (they take them out of it) and of `tails`; returns the tails' proofs."""
+    queued = _pending.take([chunk for b in builders for chunk in b.chunks])
+    tails = tails or []
+    if not queued and not tails:
+        return []
+    topk = builders[0].topk
+    proofs = _prove([_store.data[c.slot] for c in queued] + tails, topk, _selection_device())
+    for chunk, proof in zip(queued, proofs):
+        chunk.proof = proof
+    _pending.settle()
+    return proofs[len(queued):]
+
+
 def add_builder_rows(builders: list[FingerprintBuilder], rows: torch.Tensor, topk: int,
                      counts: Optional[list[int]] = None) -> None:
     """Append rows to builders: `rows` [sum(counts), H] (CPU) holds each builder's run of
     `counts[i]` rows in turn (one row each when counts is None; a speculative step commits a run).
-    Each round of the runs is one indexed write; chunks filled in this step join the pending
-    proof job (`PendingProofs`), which gathers their rows itself (the scheduler copies nothing)."""
+    The whole step is one indexed write; chunks filled in it join the pending proof job
+    (`PendingProofs`), which gathers their rows itself (the scheduler copies nothing)."""
     if not builders:
         return
     counts = counts or [1] * len(builders)
     hidden = rows.shape[-1]
-    for b in builders:
-        if b.slot is None:
-            b.slot = _store.acquire(hidden)
     if rows.dtype != torch.bfloat16:
         rows = rows.to(torch.bfloat16)
-    starts = [0]
-    for count in counts[:-1]:
-        starts.append(starts[-1] + count)
-    filled: list[tuple[FingerprintBuilder, int]] = []
-    for j in range(max(counts)):
-        active = [k for k, count in enumerate(counts) if count > j]
-        members = [builders[k] for k in active]
-        # one row per builder (no speculative run): the rows are already in builder order
-        source = rows if len(active) == rows.shape[0] else rows[[starts[k] + j for k in active]]
-        _store.write([b.slot for b in members], [b.fill for b in members], source)
-        for b in members:
+    index: list[int] = []
+    for b, count in zip(builders, counts):
+        if b.slot is None:
+            b.slot = _store.acquire(hidden)
+        for _ in range(count):
+            index.append(b.slot * CHUNK_ROWS + b.fill)
             b.fill += 1
-            b.rows_seen += 1
             if b.fill == CHUNK_ROWS:
-                filled.append((b, b.chunk_filled(hidden)))
-    for b, slot in filled:
-        b.attach(*_pending.add(slot))
+                _pending.add(b.chunk_filled(hidden))  # queued at once: its slot is lent from here on
+        b.rows_seen += count
+    _store.write(index, rows)
     _pending.step(topk)
 
 
 def finish_builders(items: list[tuple[FingerprintBuilder, Any]]) -> None:
     """Finalise the fingerprints of requests finishing in one output batch: each covers exactly
-    the request's returned output ids; the last partial chunks are proven together, then each
-    fingerprint is posted to its response (aborted requests get none)."""
-    if items:
-        _pending.flush(items[0][0].topk)
+    the request's returned output ids. Their last partial chunks and their full chunks still
+    queued for a job are proven together, in one call; other requests' queued chunks stay
+    queued. Then each fingerprint is posted to its response (aborted requests get none)."""
     tails, kept = [], []
     for builder, req in items:
         if isinstance(req.finished_reason, FINISH_ABORT):
@@ -368,8 +431,13 @@ def finish_builders(items: list[tuple[FingerprintBuilder, Any]]) -> None:
         kept.append((builder, req))
     if not kept:
         return
-    chunks = [c for c in tails if c is not None]
-    built = iter(_prove(chunks, kept[0][0].topk, _selection_device()) if chunks else [])
+    try:
+        built = iter(prove_queued([b for b, _ in kept], [c for c in tails if c is not None]))
+    except Exception as exc:  # noqa: BLE001 - never the scheduler's end: these responses go without
+        logger.error("no fingerprints for %d finishing requests: %r", len(kept), exc)
+        for builder, _ in kept:
+            builder.release()
+        return
     for (builder, req), chunk in zip(kept, tails):
         last = next(built) if chunk is not None else None
         try:

@@ -75,6 +75,23 @@ def select_topk(flat: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tens
     return indices, bits
 
 
+def select_topk_ragged(chunks: Sequence[torch.Tensor], topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``select_topk`` over chunks of different sizes (on one device) in one call: each chunk's
+    values, flattened and padded to the longest, with the padding ranked below every real |x|, so
+    it is never picked from a chunk of at least ``topk`` elements (the caller checks that). On a
+    GPU one call costs what one chunk size's call does, where grouping by size would cost one
+    kernel chain per size (a batch's final chunks come in many sizes)."""
+    flat = [chunk.reshape(-1).to(torch.bfloat16) for chunk in chunks]
+    values = torch.nn.utils.rnn.pad_sequence(flat, batch_first=True)
+    lengths = torch.tensor([f.numel() for f in flat], dtype=torch.int64).to(values.device, non_blocking=True)
+    magnitude = values.abs()
+    padding = torch.arange(values.shape[1], device=values.device).unsqueeze(0) >= lengths.unsqueeze(1)
+    magnitude.masked_fill_(padding, -1.0)
+    indices = magnitude.topk(topk, dim=1).indices
+    bits = values.gather(1, indices).view(torch.int16).to(torch.int32) & 0xFFFF
+    return indices, bits
+
+
 def _injective_moduli(indices: torch.Tensor) -> torch.Tensor:
     """Largest m <= PRIME per row such that the row's indices are pairwise distinct mod m.
 
@@ -274,12 +291,16 @@ def _interpolate_checked(indices: torch.Tensor, value_bits: torch.Tensor, check:
     return _pack(moduli, _newton_coefficients(x % moduli.unsqueeze(1), y % PRIME))
 
 
-def build_chunk_proofs(chunks: Sequence[torch.Tensor] | torch.Tensor, topk: int) -> list[bytes]:
+def build_chunk_proofs(chunks: Sequence[torch.Tensor] | torch.Tensor, topk: int,
+                       ragged: bool | None = None) -> list[bytes]:
     """toploc proofs for chunks of activation rows, one proof per chunk, in input order.
 
     ``chunks`` is a list of [r_i, H] tensors or one [B, R, H] tensor; each proof equals
     ``toploc.build_proofs_bytes(chunk, decode_batching_size=r_i, topk=topk, skip_prefill=True)``.
-    Chunks with the same element count share one ``select_topk`` call on their device.
+    Chunks with the same element count share one ``select_topk`` call on their device; with
+    ``ragged`` (the default on accelerators) all chunks of a device share one
+    ``select_topk_ragged`` call. The CPU keeps the per-size calls: there they cost per element,
+    not per call, and ties in |x| are broken exactly as toploc's CPU top-k breaks them.
     """
     if isinstance(chunks, torch.Tensor):
         if chunks.dim() < 2:
@@ -301,10 +322,14 @@ def build_chunk_proofs(chunks: Sequence[torch.Tensor] | torch.Tensor, topk: int)
             )
         if chunk.numel() - 1 > MAX_FLAT_INDEX:
             raise ValueError(f"chunk {position} has more than 2**31 elements")
-        groups[(chunk.numel(), chunk.device)].append(position)
+        one_call = ragged if ragged is not None else chunk.device.type != "cpu"
+        groups[(0 if one_call else chunk.numel(), chunk.device)].append(position)
     proofs: list[bytes] = [b""] * len(chunk_list)
-    for positions in groups.values():
-        flat = torch.stack([chunk_list[p].reshape(-1) for p in positions])
-        for position, proof in zip(positions, proofs_from_selection(*select_topk(flat, topk))):
+    for (size, _), positions in groups.items():
+        if size == 0:
+            selection = select_topk_ragged([chunk_list[p] for p in positions], topk)
+        else:
+            selection = select_topk(torch.stack([chunk_list[p].reshape(-1) for p in positions]), topk)
+        for position, proof in zip(positions, proofs_from_selection(*selection)):
             proofs[position] = proof
     return proofs
