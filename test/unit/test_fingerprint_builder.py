@@ -214,3 +214,53 @@ def test_a_full_job_starts_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
     assert all(b.chunks[0].proof is not None for b in builders)
     for builder, r in zip(builders, rows):
         assert fingerprint_of(builder, 32) == toploc_proofs(r)
+
+
+@pytest.mark.parametrize("max_steps", [1, 16])
+def test_random_traffic_gives_toploc_proofs_and_returns_every_slot(
+    monkeypatch: pytest.MonkeyPatch, max_steps: int,
+) -> None:
+    """Requests arrive, commit runs of rows, finish at their own steps (some cut inside their last
+    run) or are aborted: every posted fingerprint equals toploc's proofs of the request's returned
+    rows, and once all are gone every row slot is back in the store."""
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    monkeypatch.setattr(adapter, "_pending", adapter.PendingProofs(max_steps=max_steps))
+    monkeypatch.setattr(adapter, "_store", adapter.RowStore())
+    rng = random.Random(max_steps)
+    gen = torch.Generator().manual_seed(max_steps)
+    live: list[dict] = []
+    finished = 0
+    for _ in range(300):
+        while len(live) < 24 and rng.random() < 0.5:
+            live.append({"builder": adapter.FingerprintBuilder(TOPK), "target": rng.randint(1, 120), "rows": []})
+        counts = [rng.choice((1, 1, 3, 4)) for _ in live]
+        if live:
+            block = torch.randn(sum(counts), HIDDEN, generator=gen).to(torch.bfloat16)
+            adapter.add_builder_rows([r["builder"] for r in live], block, TOPK, counts)
+            for r, piece in zip(live, block.split(counts)):
+                r["rows"].append(piece)
+        ending = [r for r in live if sum(len(p) for p in r["rows"]) >= r["target"] or rng.random() < 0.02]
+        items = []
+        for r in ending:
+            r["abort"] = rng.random() < 0.2
+            r["returned"] = min(r["target"], sum(len(p) for p in r["rows"]))
+            r["req"] = SimpleNamespace(finished_reason=FINISH_ABORT() if r["abort"] else None,
+                                       output_ids_through_stop=[0] * r["returned"], rid="r")
+            items.append((r["builder"], r["req"]))
+        adapter.finish_builders(items)
+        for r in ending:
+            if r["abort"]:
+                assert not hasattr(r["req"], transport._PENDING_ATTR)
+            else:
+                assert _posted(r["req"]) == toploc_proofs(torch.cat(r["rows"])[: r["returned"]])
+                finished += 1
+        live = [r for r in live if r not in ending]
+    for r in live:
+        r["builder"].release()
+    assert finished > 100
+    store = adapter._store
+    for future in list(store._lent):
+        future.result(timeout=30)
+    store.acquire(HIDDEN)
+    assert len(store._free) + 1 == store.data.shape[0] and not adapter._pending.queue
