@@ -489,6 +489,7 @@ def idle_state(server: Server, settle: float) -> dict:
     scheduler = next((names for key, names in python_threads.items() if "scheduler" in key), {})
     return {
         "rss_mb": round(sum(p.memory_info().rss for p in procs) / 2**20),
+        "rss_mb_by_process": {f"{p.name()}[{p.pid}]": round(p.memory_info().rss / 2**20) for p in procs},
         "threads": threads,
         "python_threads": python_threads,
         "toploc_threads": sum(n for name, n in scheduler.items() if name.startswith(TOPLOC_THREADS)),
