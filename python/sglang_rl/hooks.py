@@ -25,7 +25,7 @@ class Hook(NamedTuple):
 
 def hook_table() -> list[Hook]:
     """All hooks of the plugin (imports are local so that importing this module stays cheap)."""
-    from sglang_rl.adapters import api, kcbs, openai, scheduler, speculative
+    from sglang_rl.adapters import api, hidden_states, kcbs, openai, scheduler, speculative
     from sglang_rl.adapters import cotrain, cotrain_api, drafter_weights, drafter_weights_api
     from sglang_rl.server_args import RLServerArgs
 
@@ -54,6 +54,9 @@ def hook_table() -> list[Hook]:
              openai.chat_convert_after, "copy the fields; locate the reply inside the prefill"),
         Hook(f"{OPENAI}.serving_completions.OpenAIServingCompletion._convert_to_internal_request",
              AF, openai.completion_convert_after, "copy the fields to the internal request"),
+        Hook(f"{SRT}.managers.tokenizer_manager.TokenizerManager._handle_batch_output", B,
+             hidden_states.orphaned_output_before,
+             "sglang drops outputs of requests whose client went away: unlink their row files"),
         Hook(f"{SRT}.managers.tokenizer_manager.TokenizerManager.generate_request", A,
              api.generate_request_around,
              "one place for all entry points: validate fields (400), ship them in custom_params, "

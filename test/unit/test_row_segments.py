@@ -210,3 +210,31 @@ def test_encoded_deliveries_do_not_share_the_reused_buffer(shm):
     for (fmt, out), rows in zip(results, expected):
         got = decode_rows(out["hidden_states"])[0] if fmt is HiddenStatesFormat.BASE64 else torch.tensor(out["hidden_states"])
         assert torch.equal(got, rows)
+
+
+def test_outputs_of_requests_whose_state_is_gone_unlink_their_files(shm):
+    """sglang's tokenizer manager drops an output whose request state was deleted (the client
+    went away): the hook before it unlinks that output's row files, and only those."""
+    from types import SimpleNamespace
+
+    from sglang.srt.managers.io_struct import wrap_as_pickle
+
+    from sglang_rl.adapters import transport
+    from sglang_rl.adapters.hidden_states import PAYLOAD_KEY, orphaned_output_before
+
+    handles = {}
+    for rid in ("gone", "alive"):
+        seg = RowSegments(first_capacity=2)
+        seg.append(torch.ones(5, 8), range(5))
+        handles[rid] = seg.handoff()
+    files = {rid: [path for path, _ in h["files"]] for rid, h in handles.items()}
+    entries = [[{PAYLOAD_KEY: {"format": "base64", "wanted": [], "handle": handles[rid]}}] for rid in handles]
+    recv = SimpleNamespace(rids=list(handles), customized_info=wrap_as_pickle({transport.KEY: entries}))
+    manager = SimpleNamespace(rid_to_state={"alive": object()})
+    assert orphaned_output_before(manager, recv) is None
+    assert not any(os.path.exists(p) for p in files["gone"])
+    assert all(os.path.exists(p) for p in files["alive"])
+    got, _ = read_rows(handles["alive"])
+    assert torch.equal(got, torch.ones(5, 8))
+    no_payload = SimpleNamespace(rids=["gone"], customized_info=None)
+    assert orphaned_output_before(manager, no_payload) is None

@@ -36,7 +36,7 @@ from sglang_rl.hidden_states import (
     select_positions,
 )
 from sglang_rl.hidden_states.packing import host_view
-from sglang_rl.hidden_states.row_segments import RowSegments, read_rows, shm_dir
+from sglang_rl.hidden_states.row_segments import RowSegments, discard_handle, read_rows, shm_dir
 
 logger = logging.getLogger(__name__)
 
@@ -287,3 +287,23 @@ def deliver(payload: dict) -> dict:
     if fmt is HiddenStatesFormat.TENSOR:
         return {ROWS_FIELD: rows, POSITIONS_FIELD: wanted}
     return {ROWS_FIELD: rows_to_list(rows), POSITIONS_FIELD: wanted}
+
+
+def orphaned_output_before(manager: Any, recv_obj: Any) -> None:
+    """BEFORE TokenizerManager._handle_batch_output: sglang drops an output whose request state
+    is gone (its client went away while the output was in flight), so nobody would read that
+    request's row files: unlink them now rather than at the writer's stale-file reaper."""
+    rids = getattr(recv_obj, "rids", None) or ()
+    gone = [i for i, rid in enumerate(rids) if rid not in manager.rid_to_state]
+    info = getattr(recv_obj, "customized_info", None)
+    if not gone or info is None:
+        return None
+    from sglang.srt.managers.io_struct import unwrap_from_pickle
+
+    entries = (unwrap_from_pickle(info) or {}).get(transport.KEY) or []
+    for i in gone:
+        for payload in (entries[i] if i < len(entries) else None) or ():
+            rows = payload.get(PAYLOAD_KEY) if isinstance(payload, dict) else None
+            if isinstance(rows, dict) and isinstance(rows.get("handle"), dict):
+                discard_handle(rows["handle"])
+    return None
