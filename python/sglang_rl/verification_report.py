@@ -14,23 +14,32 @@ from typing import Any, Optional
 from sglang_rl.fingerprint.sampling import DEFAULT_MAX_Z, SamplingCheck, sampling_check
 
 
-def _token_checks(report: dict, meta: dict) -> dict:
-    """Argmax matches and log-probs of the response tokens that lie inside the prefill."""
+def _response_indices(report: dict, meta: dict) -> Optional[tuple[list, list, list[tuple[int, int]]]]:
+    """(input_token_logprobs, input_top_logprobs, [(position, index into them)]) for the response
+    tokens that lie inside the prefill's log-probs; None when the meta has none."""
     entries = meta.get("input_token_logprobs") or []
     tops = meta.get("input_top_logprobs") or []
     prompt_len = meta.get("prompt_tokens")
     start = report.get("response_start")
     n = report.get("response_tokens")
     if not entries or prompt_len is None or start is None or n is None:
-        return {}
+        return None
     first_pos = prompt_len - len(entries)
+    indices = [(pos, pos - first_pos) for pos in range(start, min(start + n, prompt_len))
+               if 0 <= pos - first_pos < len(entries)]
+    return entries, tops, indices
+
+
+def _token_checks(report: dict, meta: dict) -> dict:
+    """Argmax matches and log-probs of the response tokens that lie inside the prefill."""
+    found = _response_indices(report, meta)
+    if found is None:
+        return {}
+    entries, tops, indices = found
     logprobs: list[Optional[float]] = []
     matches = 0
     checked = 0
-    for pos in range(start, min(start + n, prompt_len)):
-        j = pos - first_pos
-        if j < 0 or j >= len(entries):
-            continue
+    for _, j in indices:
         logprob, token = entries[j][0], entries[j][1]
         logprobs.append(None if logprob is None else float(logprob))
         top = tops[j] if j < len(tops) else None
@@ -54,16 +63,13 @@ def _token_checks(report: dict, meta: dict) -> dict:
 
 def _sampling_fields(report: dict, meta: dict, max_z: float) -> dict:
     """The temperature-1 sampling test over the response tokens inside the prefill."""
-    entries = meta.get("input_token_logprobs") or []
-    tops = meta.get("input_top_logprobs") or []
-    prompt_len, start, n = meta.get("prompt_tokens"), report.get("response_start"), report.get("response_tokens")
-    if not entries or prompt_len is None or start is None or n is None:
+    found = _response_indices(report, meta)
+    if found is None:
         return SamplingCheck(z=0.0, checked=0, max_z=max_z).to_dict()
-    first_pos = prompt_len - len(entries)
+    entries, tops, indices = found
     tokens, logprobs, top_lists, positions = [], [], [], []
-    for pos in range(start, min(start + n, prompt_len)):
-        j = pos - first_pos
-        if 0 <= j < len(entries) and j < len(tops):
+    for pos, j in indices:
+        if j < len(tops):
             tokens.append(entries[j][1])
             logprobs.append(entries[j][0])
             top_lists.append([(entry[0], entry[1]) for entry in tops[j] or ()])

@@ -259,11 +259,15 @@ class FingerprintBuilder:
         return _store.data[self._cut.slot, :keep] if keep else None
 
     def finish(self, last_proof: Optional[bytes]) -> str:
-        """The fingerprint string: the proofs of the full chunks (those still queued are built
-        here; `finish_builders` builds them for a whole batch at once), then `last_proof`.
-        Frees the row slots."""
-        self.done = True
+        """The fingerprint string of this builder alone: its full chunks still queued are proven
+        here (`finish_builders` proves those of a whole batch at once and calls `fingerprint`)."""
         prove_queued([self])
+        return self.fingerprint(last_proof)
+
+    def fingerprint(self, last_proof: Optional[bytes]) -> str:
+        """The fingerprint string once no full chunk is left queued: the full chunks' proofs
+        (waiting for jobs still running), then `last_proof`. Frees the row slots."""
+        self.done = True
         proofs = [chunk.wait() for chunk in self.chunks]
         if last_proof is not None:
             proofs.append(last_proof)
@@ -441,7 +445,7 @@ def finish_builders(items: list[tuple[FingerprintBuilder, Any]]) -> None:
     for (builder, req), chunk in zip(kept, tails):
         last = next(built) if chunk is not None else None
         try:
-            fingerprint = builder.finish(last)
+            fingerprint = builder.fingerprint(last)
         except FingerprintError as exc:  # never the scheduler's end: this response goes without
             logger.error("no fingerprint for request %s: %s", req.rid, exc)
             builder.release()

@@ -70,7 +70,13 @@ def select_topk(flat: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tens
     if flat.shape[1] < topk:
         raise ValueError(f"each row needs at least topk={topk} elements, got {flat.shape[1]}")
     values = flat.to(torch.bfloat16)
-    indices = values.abs().topk(topk, dim=1).indices
+    return _ranked_bits(values, values.abs(), topk)
+
+
+def _ranked_bits(values: torch.Tensor, magnitude: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indices of the `topk` largest `magnitude` per row, and the bf16 bit patterns of `values`
+    there (int32 in 0..65535)."""
+    indices = magnitude.topk(topk, dim=1).indices
     bits = values.gather(1, indices).view(torch.int16).to(torch.int32) & 0xFFFF
     return indices, bits
 
@@ -87,9 +93,7 @@ def select_topk_ragged(chunks: Sequence[torch.Tensor], topk: int) -> tuple[torch
     magnitude = values.abs()
     padding = torch.arange(values.shape[1], device=values.device).unsqueeze(0) >= lengths.unsqueeze(1)
     magnitude.masked_fill_(padding, -1.0)
-    indices = magnitude.topk(topk, dim=1).indices
-    bits = values.gather(1, indices).view(torch.int16).to(torch.int32) & 0xFFFF
-    return indices, bits
+    return _ranked_bits(values, magnitude, topk)
 
 
 def _injective_moduli(indices: torch.Tensor) -> torch.Tensor:
