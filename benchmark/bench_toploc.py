@@ -11,6 +11,12 @@ CPU smoke run (default model):
 Each mode runs in its own process (a fresh Engine), so the modes share nothing. Every shape is
 timed `--timed-runs` times after one untimed run; the table gives the median and the spread
 (min..max) of output tokens per second, and on/off as the ratio of the medians.
+
+A host-bound setup (the small EAGLE pair) varies more between engine processes than between
+modes: one process of a mode ran 16k tok/s and the next 23k on the same H100. `--rounds R` runs
+the modes R times, alternating (off, on, off, on, ...); the table then pools each mode's timed
+runs over its R processes, and `round_ratios` gives on/off of each adjacent pair and their
+geometric mean.
 """
 
 from __future__ import annotations
@@ -43,12 +49,16 @@ def engine_for(args: argparse.Namespace, toploc: bool):
     if args.eagle:
         from spec_models import make_eagle_pair
 
-        target, draft = make_eagle_pair(Path(args.work_dir), Path(args.tokenizer_dir))
+        root = Path(args.work_dir) / f"h{args.eagle_hidden}-l{args.eagle_layers}"
+        target, draft = make_eagle_pair(root, Path(args.tokenizer_dir), hidden=args.eagle_hidden,
+                                        layers=args.eagle_layers)
         kw = engine_kwargs(str(target), False, not args.cpu, speculative_draft_model_path=str(draft), **EAGLE)
     else:
         kw = engine_kwargs(args.model_path, args.dummy, not args.cpu)
     if args.disable_cuda_graph:
         kw["disable_cuda_graph"] = True
+    if args.cuda_graph_max_bs:
+        kw["cuda_graph_max_bs_decode"] = args.cuda_graph_max_bs
     return sgl.Engine(**kw, toploc_verification=toploc)
 
 
@@ -67,8 +77,7 @@ def timed_shape(llm, shape: tuple[int, int, int], runs: int) -> dict:
         spec_steps = sum(o["meta_info"].get("spec_verify_ct", 0) for o in outs)
     tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
     return {
-        "median": round(statistics.median(rates), 1),
-        "spread": f"{min(rates):.0f}..{max(rates):.0f}",
+        "rates": [round(r, 1) for r in rates],
         "fingerprinted": sum("toploc_verification_fingerprints" in o["meta_info"] for o in outs),
         "tokens_per_step": round(tokens / spec_steps, 2) if spec_steps else "",
     }
@@ -118,18 +127,46 @@ def replays(llm, args: argparse.Namespace) -> dict:
             "per_batch_size": json.dumps({k: f"{v[0]}/{v[1]}" for k, v in per_bs.items()})}
 
 
+def pooled(rows: list[dict]) -> list[dict]:
+    """One row per mode: each shape's timed rates over all of that mode's processes."""
+    by_mode: dict[str, dict] = {}
+    for r in rows:
+        mode = by_mode.setdefault(r["mode"], {"mode": r["mode"], "startup_s": [], "shapes": {}})
+        mode["startup_s"].append(r["startup_s"])
+        for text, cell in r["shapes"].items():
+            into = mode["shapes"].setdefault(text, {**cell, "rates": [], "medians": []})
+            into["rates"] += cell["rates"]
+            into["medians"].append(statistics.median(cell["rates"]))
+    return list(by_mode.values())
+
+
+def round_ratios(rows: list[dict], text: str) -> str:
+    """on/off of each adjacent (off, on) pair of processes, by their medians, and their geometric
+    mean (the estimate that process-to-process drift affects least)."""
+    off = [statistics.median(r["shapes"][text]["rates"]) for r in rows if r["mode"] == "off"]
+    on = [statistics.median(r["shapes"][text]["rates"]) for r in rows if r["mode"] == "on"]
+    ratios = [b / a for a, b in zip(off, on)]
+    if len(ratios) < 2:
+        return ""
+    return " ".join(f"{v:.3f}" for v in ratios) + f" (geomean {statistics.geometric_mean(ratios):.3f})"
+
+
 def table(rows: list[dict], args: argparse.Namespace) -> list[dict]:
-    """One line per (shape, mode), with on/off from the medians."""
-    base = {text: r["shapes"][text]["median"] for r in rows if r["mode"] == "off" for text in r["shapes"]}
+    """One line per (shape, mode), with on/off from the pooled medians."""
+    modes = pooled(rows)
+    median = {(m["mode"], text): statistics.median(c["rates"]) for m in modes for text, c in m["shapes"].items()}
     lines = []
     for text in args.shapes:
-        for r in rows:
-            cell = r["shapes"][text]
-            lines.append({"shape": text, "mode": r["mode"], "median_tok_per_s": cell["median"],
-                          "spread": cell["spread"],
-                          "vs_off": round(cell["median"] / base[text], 3) if text in base else "",
+        for m in modes:
+            cell = m["shapes"][text]
+            base = median.get(("off", text))
+            lines.append({"shape": text, "mode": m["mode"], "median_tok_per_s": round(median[(m["mode"], text)], 1),
+                          "spread": f"{min(cell['rates']):.0f}..{max(cell['rates']):.0f}",
+                          "process_medians": " ".join(f"{v:.0f}" for v in cell["medians"]),
+                          "vs_off": round(median[(m["mode"], text)] / base, 3) if base else "",
+                          "round_ratios": round_ratios(rows, text) if m["mode"] == "on" else "",
                           "tokens_per_step": cell["tokens_per_step"], "fingerprinted": cell["fingerprinted"],
-                          "startup_s": r["startup_s"]})
+                          "startup_s": " ".join(str(v) for v in m["startup_s"])})
     return lines
 
 
@@ -141,9 +178,15 @@ def main() -> None:
     p.add_argument("--replay-batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--replay-total", type=int, default=200)
     p.add_argument("--modes", default="off,on")
+    p.add_argument("--rounds", type=int, default=1, help="run the modes this many times, alternating")
+    p.add_argument("--cuda-graph-max-bs", type=int, help="capture CUDA graphs up to this batch size only "
+                   "(a shorter start-up; the shapes' batch sizes must fit under it)")
     p.add_argument("--eagle", action="store_true", help="EAGLE target + draft from spec_models.py")
     p.add_argument("--tokenizer-dir", default="/tmp/tok", help="tokenizer files for --eagle")
     p.add_argument("--work-dir", default="/tmp/bench-toploc-eagle", help="where --eagle writes its models")
+    p.add_argument("--eagle-hidden", type=int, default=1024, help="--eagle target width (4096: an 8B-wide "
+                   "target whose steps are bound by the GPU rather than the scheduler's host work)")
+    p.add_argument("--eagle-layers", type=int, default=4, help="--eagle target layers")
     p.add_argument("--disable-cuda-graph", action="store_true",
                    help="both modes without CUDA graphs (the GPU kit lacks deep_gemm, which EAGLE's draft "
                         "graph capture imports)")
@@ -152,11 +195,12 @@ def main() -> None:
     if args.one_mode:
         print("RESULT " + json.dumps(run_mode(args, args.one_mode)), flush=True)
         return
-    rows = run_in_subprocesses(__file__, sys.argv[1:], "--one-mode", args.modes.split(","))
+    rows = run_in_subprocesses(__file__, sys.argv[1:], "--one-mode", args.modes.split(",") * args.rounds)
     what = "EAGLE target + draft (spec_models.py)" if args.eagle else args.model_path
-    print(f"\nTOPLOC on vs off: {what}, greedy, ignore_eos, {args.timed_runs} timed runs per shape")
-    print_table(table(rows, args), ["shape", "mode", "median_tok_per_s", "spread", "vs_off", "tokens_per_step",
-                                    "fingerprinted", "startup_s"])
+    print(f"\nTOPLOC on vs off: {what}, greedy, ignore_eos, {args.timed_runs} timed runs per shape "
+          f"in each of {args.rounds} process(es) per mode")
+    print_table(table(rows, args), ["shape", "mode", "median_tok_per_s", "spread", "process_medians", "vs_off",
+                                    "round_ratios", "tokens_per_step", "fingerprinted", "startup_s"])
     replay = [r for r in rows if "replays_passed" in r]
     if replay:
         print()

@@ -88,16 +88,18 @@ def on_gpu() -> bool:
 
 def run_in_subprocesses(script: str, argv: list[str], flag: str, values: list[str]) -> list:
     """Run `script argv flag value` once per value (a fresh Engine each) and collect the JSON
-    printed after `RESULT ` by each; exits with the child's output if one fails."""
+    printed after `RESULT ` by each; exits with the child's output if one fails. Each result is
+    also printed as it arrives, so a run cut short by a time limit keeps what it measured."""
     import subprocess
     import sys
 
     results = []
-    for value in values:
+    for n, value in enumerate(values, 1):
         out = subprocess.run([sys.executable, script, flag, value] + argv, capture_output=True, text=True)
         line = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
         if not line:
             print(out.stdout[-3000:], out.stderr[-6000:])
             raise SystemExit(f"{flag} {value} failed")
+        print(f"# process {n}/{len(values)} ({flag} {value}): {line[-1]}", flush=True)
         results.append(json.loads(line[-1][len("RESULT "):]))
     return results

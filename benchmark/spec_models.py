@@ -73,7 +73,10 @@ def _save(folder: Path, cfg: dict, weights: dict, tokenizer_dir: Path | None) ->
 
 def make_eagle_pair(root: Path, tokenizer_dir: Path | None, hidden: int = 1024, layers: int = 4,
                     vocab: int = 49152, layer_scale: float = 0.03, seed: int = 0) -> tuple[Path, Path]:
-    """Write `root/target` and `root/draft`; returns their paths."""
+    """Write `root/target` and `root/draft` (kept if both are already there: a wide target takes a
+    while to draw); returns their paths."""
+    if all((root / name / "model.safetensors").exists() for name in ("target", "draft")):
+        return root / "target", root / "draft"
     gen = torch.Generator().manual_seed(seed)
     cfg = _config(hidden, layers, vocab, "LlamaForCausalLM")
     target = {

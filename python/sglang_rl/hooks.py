@@ -103,8 +103,11 @@ def hook_table() -> list[Hook]:
              "where EAGLE's worker puts them"),
         Hook(f"{SCHED}.output_streamer.SchedulerOutputStreamer.stream_output", B,
              scheduler.stream_output_before,
-             "drive k-CBS searches (hide beam requests, release finished searches); prove the "
-             "last partial chunks / encode the rows of all requests finishing in this batch"),
+             "drive k-CBS searches (hide beam requests, release finished searches); encode the "
+             "rows of requests finishing in this batch; start their last proofs and hold their "
+             "outputs until the proofs are done (the step never waits), releasing finished ones"),
+        Hook(f"{SRT}.managers.scheduler.Scheduler.on_idle", B, scheduler.idle_before,
+             "no batch left to carry held outputs: wait for their proofs and stream them now"),
         Hook(f"{SCHED}.output_streamer._GenerationStreamAccumulator.accept", A,
              scheduler.output_accept_around,
              "finalise verification reports and send queued results with the request's output"),

@@ -274,3 +274,40 @@ def test_chat_form_refuses_reply_whose_text_retokenizes_differently(toploc_serve
     assert exact["verified"] is True
     assert len(retokenized) != len(generated)
     assert "exact-token form" in chat.get("refused", ""), chat
+
+
+def test_logprob_requests_finishing_among_others_keep_their_logprobs_and_fingerprints(toploc_server) -> None:
+    """A finishing request's output is held until its last proofs are built, then goes out with a
+    later batch's outputs. Requests that ask for output log-probs finish at staggered steps among
+    longer requests that do not: each must come back with its own log-probs (one per token) and a
+    fingerprint that verifies, and the others with neither log-probs nor a foreign fingerprint.
+    (Which batch carries a released output depends on timing; test_output_hold.py pins the case
+    of a batch without log-prob requests.)"""
+    from toploc_helpers import assert_fingerprints_verify, post
+
+    url = toploc_server.url
+    rng = random.Random(5)
+    prompts = [[rng.randint(200, 40000) for _ in range(8 + 3 * i)] for i in range(12)]
+
+    def job(i: int) -> dict:
+        logprobs = i % 2 == 0
+        body = {
+            "input_ids": prompts[i],
+            "sampling_params": {"max_new_tokens": (3 + 2 * i) if logprobs else 48, "temperature": 0,
+                                "ignore_eos": True},
+            "return_logprob": logprobs, "return_input_ids": True, "return_output_ids": True,
+        }
+        resp = post(url, "/generate", body)
+        assert resp.status_code == 200, resp.text
+        out = resp.json()
+        return {"logprobs": logprobs, "max": body["sampling_params"]["max_new_tokens"], **out["meta_info"]}
+
+    metas = pmap(job, range(12), workers=12)
+    for meta in metas:
+        assert len(meta["output_ids"]) == meta["max"] == meta["completion_tokens"]
+        if meta["logprobs"]:
+            assert len(meta["output_token_logprobs"]) == meta["max"], meta.get("output_token_logprobs")
+            assert [tok for _, tok, _ in meta["output_token_logprobs"]] == meta["output_ids"]
+        else:
+            assert not meta.get("output_token_logprobs")
+    assert_fingerprints_verify(url, metas)

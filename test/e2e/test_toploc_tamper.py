@@ -95,8 +95,11 @@ def test_other_prompt_is_detected(toploc_server, honest, tokenizer) -> None:
     chats = [s for s in honest if s["endpoint"] == "chat"]
     chat_out = pmap(lambda s: verify_chat(url, [{"role": "user", "content": "Tell me about volcanoes."}],
                                           s["text"], s["fingerprint"]), chats)
-    assert all(status == 200 for status, _ in chat_out), chat_out
-    chat_reports = [rep for _, rep in chat_out]
+    # a sampled reply's text may re-tokenize differently; the chat form then refuses it (400, by
+    # design: its rows cannot be aligned) and it is no tampering result
+    assert all(status == 200 or (status == 400 and "re-tokenizes" in rep) for status, rep in chat_out), chat_out
+    chat_reports = [rep for status, rep in chat_out if status == 200]
+    assert chat_reports, chat_out
     summary = summarize(token_reports + chat_reports)
     record("tamper_other_prompt", **summary, tokens_form=summarize(token_reports)["detection_rate"],
            chat_form=summarize(chat_reports)["detection_rate"])

@@ -178,17 +178,54 @@ def test_finishing_requests_prove_their_own_queued_chunks_and_leave_the_others_q
     assert retired.released and retired.job is job and retired.slot not in adapter._store._free
 
     first = [_finishing(40), _finishing(70)]
-    adapter.finish_builders(list(zip(builders[:2], first)))
+    assert adapter.finish_builders(list(zip(builders[:2], first))) == first
+    assert adapter.release_finished(wait=True) == first
     assert [_posted(r) for r in first] == [toploc_proofs(rows[0]), toploc_proofs(rows[1])]
     assert len(pending.queue) == 3 and pending.future is job and not job.done()
-    assert retired.slot not in adapter._store._free  # still lent: the job has not run
+    # the retired slot moved with its chunk to the finishing requests' job, which has run
+    assert retired.slot not in adapter._store._lent.get(job, []) and retired.slot not in adapter._store._free
 
     pending.flush(TOPK)
     job.result(timeout=30)
     rest = [_finishing(33), _finishing(75)]
     adapter.finish_builders(list(zip(builders[2:], rest)))
+    assert adapter.release_finished(wait=True) == rest
     assert [_posted(r) for r in rest] == [toploc_proofs(rows[2]), toploc_proofs(rows[3])]
     assert pending.future is None and not pending.queue
+
+
+def test_finishing_never_waits_for_proofs_and_slots_stay_lent_until_they_are_built(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With the proof thread busy, finishing requests are held (nothing posted, nothing waited
+    for), and the row slots their proofs will read are not handed out again; once the thread is
+    free the held requests come back with toploc's proofs."""
+    import threading
+
+    pending = adapter.PendingProofs(max_chunks=100, max_steps=100)
+    monkeypatch.setattr(adapter, "_pending", pending)
+    monkeypatch.setattr(adapter, "_store", adapter.RowStore())
+    gen = torch.Generator().manual_seed(12)
+    rows = [torch.randn(n, HIDDEN, generator=gen) for n in (100, 50)]
+    builders = [adapter.FingerprintBuilder(TOPK) for _ in rows]
+    feed(builders, [[1] * 100, [1] * 50], rows)
+    read_later = {c.slot for b in builders for c in b.chunks} | {b.slot for b in builders}
+
+    gate = threading.Event()
+    busy = adapter._proof_executor().submit(gate.wait, 30)
+    reqs = [_finishing(100), _finishing(50)]
+    try:
+        assert adapter.finish_builders(list(zip(builders, reqs))) == reqs
+        assert adapter.release_finished() == [] and adapter.holds_requests()
+        assert not any(hasattr(r, transport._PENDING_ATTR) for r in reqs)
+        assert pending.future is None  # the shared job was emptied and closed
+        handed_out = {adapter._store.acquire(HIDDEN) for _ in range(200)}
+        assert not handed_out & read_later
+    finally:
+        gate.set()
+    busy.result(timeout=30)
+    assert adapter.release_finished(wait=True) == reqs and not adapter.holds_requests()
+    assert [_posted(r) for r in reqs] == [toploc_proofs(rows[0]), toploc_proofs(rows[1])]
 
 
 def test_an_aborted_request_leaves_the_job(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -249,6 +286,7 @@ def test_random_traffic_gives_toploc_proofs_and_returns_every_slot(
                                        output_ids_through_stop=[0] * r["returned"], rid="r")
             items.append((r["builder"], r["req"]))
         adapter.finish_builders(items)
+        adapter.release_finished(wait=True)
         for r in ending:
             if r["abort"]:
                 assert not hasattr(r["req"], transport._PENDING_ATTR)

@@ -249,16 +249,60 @@ def _topk() -> int:
 
 def stream_output_before(streamer: Any, reqs: list, *args: Any, **kwargs: Any) -> Any:
     """BEFORE SchedulerOutputStreamer.stream_output: drive k-CBS searches (their internal beam
-    requests are taken out, finished searches put in), then finalise the fingerprints and rows of
-    every request finishing in this batch together."""
+    requests are taken out, finished searches put in), then finalise the rows of every request
+    finishing in this batch and start their fingerprints' last proofs. Requests whose proofs
+    are still being built are held back from this batch's outputs (the step never waits for
+    them) and go out with a later batch, or when the scheduler idles (`idle_before`)."""
+    if _streaming_released:
+        return None
     replaced = None
     if any(hasattr(r, kcbs.CHILD_ATTR) or hasattr(r, kcbs.PARENT_ATTR) for r in reqs):
         reqs = replaced = kcbs.filter_outputs(reqs)
     _finish_rows(reqs)
-    return None if replaced is None else ((streamer, replaced, *args), kwargs)
+    if not toploc.holds_requests() and replaced is None:
+        return None
+    ready = toploc.release_finished()
+    held = toploc.held_ids()
+    if held:
+        reqs = [r for r in reqs if id(r) not in held]
+    if ready:
+        present = {id(r) for r in reqs}
+        reqs = list(reqs) + [r for r in ready if id(r) not in present]
+        args, kwargs = _with_logprobs_for(ready, args, kwargs)
+    return (streamer, reqs, *args), kwargs
+
+
+def _with_logprobs_for(reqs: list, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """stream_output's `return_logprob` (the batch's flag) raised when one of `reqs`, released
+    into another batch's outputs, asked for log-probs (each request's own flag still decides)."""
+    if not any(r.return_logprob for r in reqs):
+        return args, kwargs
+    if args:
+        return (True, *args[1:]), kwargs
+    return args, {**kwargs, "return_logprob": True}
+
+
+_streaming_released = False
+
+
+def idle_before(scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    """BEFORE Scheduler.on_idle: no batch is left to carry the outputs of requests whose
+    fingerprints were still being proven, so wait for those proofs and stream the outputs now."""
+    global _streaming_released
+    if not toploc.holds_requests():
+        return None
+    ready = toploc.release_finished(wait=True)
+    if ready:
+        _streaming_released = True
+        try:
+            scheduler.output_streamer.stream_output(ready, any(r.return_logprob for r in ready))
+        finally:
+            _streaming_released = False
+    return None
 
 
 def _finish_rows(reqs: list) -> None:
+    """Finalise the rows of finishing requests and start their fingerprints' last proofs."""
     if not _server_wants_rows(get_server_args()):
         return
     finishing, collectors = [], []

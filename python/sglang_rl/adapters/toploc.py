@@ -3,8 +3,10 @@
 Generation: the row that sampled output token j (the lm_head input of that step) is appended to
 the request's builder; full chunks of 32 rows are gathered into jobs of many chunks, which a
 background thread turns into toploc proofs (on a GPU server: top-k and interpolation on the GPU),
-so the scheduler loop never waits on top-k or interpolation. When the request finishes, the last partial chunk is added and the
-fingerprint (all proofs, one container string) is posted to the response.
+so the scheduler loop never waits on top-k or interpolation. When requests finish, one more job
+proves their last partial chunks and their chunks still queued; their outputs are held until it
+is done (`finish_builders`, `release_finished`), then each fingerprint (all proofs, one container
+string) is posted to its response.
 
 Verification: a prefill-only request carrying a fingerprint captures its prefill rows (FULL mode
 for that request only); once its prefill is done, rows [L-1, L-1+n) - the rows that produced the
@@ -113,6 +115,16 @@ class RowStore:
             self._free.append(slot)
         else:
             self._lent.setdefault(reader, []).append(slot)
+
+    def relend(self, slot: int, reader: Optional[Future], new_reader: Future) -> None:
+        """A slot lent to `reader` is now read by `new_reader` (a chunk moved to another job)."""
+        lent = self._lent.get(reader) if reader is not None else None
+        if lent is None or slot not in lent:
+            return
+        lent.remove(slot)
+        if not lent:
+            del self._lent[reader]
+        self._lent.setdefault(new_reader, []).append(slot)
 
     def write(self, index: list[int], rows: torch.Tensor) -> None:
         """rows[i] -> flat row index[i] (slot * 32 + row in chunk), as one index_copy_."""
@@ -259,9 +271,9 @@ class FingerprintBuilder:
         return _store.data[self._cut.slot, :keep] if keep else None
 
     def finish(self, last_proof: Optional[bytes]) -> str:
-        """The fingerprint string of this builder alone: its full chunks still queued are proven
-        here (`finish_builders` proves those of a whole batch at once and calls `fingerprint`)."""
-        prove_queued([self])
+        """The fingerprint string of this builder alone, waiting for the proofs of its full chunks
+        (`finish_builders` proves those of a whole batch, and its tails, in one job)."""
+        prove_queued([self]).result()
         return self.fingerprint(last_proof)
 
     def fingerprint(self, last_proof: Optional[bytes]) -> str:
@@ -371,19 +383,38 @@ class PendingProofs:
 _pending = PendingProofs()
 
 
-def prove_queued(builders: list[FingerprintBuilder], tails: Optional[list[torch.Tensor]] = None) -> list[bytes]:
-    """Build, in this thread and in one call, the proofs of the builders' full chunks still
-    queued for a job (they take them out of it) and of `tails`; returns the tails' proofs."""
+def prove_queued(builders: list[FingerprintBuilder], tails: Optional[list[torch.Tensor]] = None) -> Future:
+    """Start one proof job for the builders' full chunks still queued for a job (they take them
+    out of it) and for `tails`; its future gives the tails' proofs. The job runs in the proof
+    thread after every job started before it, so once it is done each of the builders' chunks
+    has its proof. Slots the taken chunks lent to the queued job stay lent, now to this one."""
+    queued_in = _pending.future
     queued = _pending.take([chunk for b in builders for chunk in b.chunks])
     tails = tails or []
-    if not queued and not tails:
-        return []
-    topk = builders[0].topk
-    proofs = _prove([_store.data[c.slot] for c in queued] + tails, topk, _selection_device())
-    for chunk, proof in zip(queued, proofs):
-        chunk.proof = proof
+    future: Future = Future()
+    for chunk in queued:
+        if chunk.released:
+            _store.relend(chunk.slot, queued_in, future)
     _pending.settle()
-    return proofs[len(queued):]
+    if not queued and not tails:
+        future.set_result([])
+        return future
+    chunks = [_store.data[c.slot] for c in queued] + tails
+    topk, device = builders[0].topk, _selection_device()
+
+    def job() -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            proofs = _prove(chunks, topk, device)
+            for chunk, proof in zip(queued, proofs):
+                chunk.proof = proof
+            future.set_result(proofs[len(queued):])
+        except BaseException as exc:  # noqa: BLE001 - the finishing requests report it
+            future.set_exception(FingerprintError(f"proof job failed: {exc!r}"))
+
+    _proof_executor().submit(job)
+    return future
 
 
 def add_builder_rows(builders: list[FingerprintBuilder], rows: torch.Tensor, topk: int,
@@ -412,11 +443,51 @@ def add_builder_rows(builders: list[FingerprintBuilder], rows: torch.Tensor, top
     _pending.step(topk)
 
 
-def finish_builders(items: list[tuple[FingerprintBuilder, Any]]) -> None:
-    """Finalise the fingerprints of requests finishing in one output batch: each covers exactly
-    the request's returned output ids. Their last partial chunks and their full chunks still
-    queued for a job are proven together, in one call; other requests' queued chunks stay
-    queued. Then each fingerprint is posted to its response (aborted requests get none)."""
+class FinishingBatch:
+    """Requests that finished in one output batch, held back from streaming until the one proof
+    job of their last partial chunks and still-queued full chunks is done, so that the step in
+    which they finish never waits for proofs. `release` then posts each fingerprint."""
+
+    def __init__(self, kept: list[tuple[FingerprintBuilder, Any, bool]], job: Future) -> None:
+        self.kept = kept  # (builder, req, whether it has a partial last chunk)
+        self.job = job
+
+    @property
+    def reqs(self) -> list[Any]:
+        return [req for _, req, _ in self.kept]
+
+    def release(self) -> list[Any]:
+        """Post the fingerprints (waiting for the job if it still runs); returns the requests."""
+        try:
+            built = iter(self.job.result())
+        except Exception as exc:  # noqa: BLE001 - never the scheduler's end: these responses go without
+            logger.error("no fingerprints for %d finishing requests: %r", len(self.kept), exc)
+            for builder, _, _ in self.kept:
+                builder.release()
+            return self.reqs
+        for builder, req, has_tail in self.kept:
+            last = next(built) if has_tail else None
+            try:
+                fingerprint = builder.fingerprint(last)
+            except FingerprintError as exc:  # never the scheduler's end: this response goes without
+                logger.error("no fingerprint for request %s: %s", req.rid, exc)
+                builder.release()
+                continue
+            transport.post(req, **{FINGERPRINTS_FIELD: [fingerprint]})
+        return self.reqs
+
+
+_held: list[FinishingBatch] = []
+_held_ids: set[int] = set()
+
+
+def finish_builders(items: list[tuple[FingerprintBuilder, Any]]) -> list[Any]:
+    """Start the fingerprints of requests finishing in one output batch: each covers exactly the
+    request's returned output ids. Their last partial chunks and their full chunks still queued
+    for a job are proven together, in one job of the proof thread; other requests' queued chunks
+    stay queued. Returns the requests held back until that job is done (`release_finished`
+    posts their fingerprints); aborted requests and those without output get none and are not
+    held."""
     tails, kept = [], []
     for builder, req in items:
         if isinstance(req.finished_reason, FINISH_ABORT):
@@ -427,30 +498,50 @@ def finish_builders(items: list[tuple[FingerprintBuilder, Any]]) -> None:
             builder.release()  # nothing generated (a prefill, e.g. sglang's shared prefix of n > 1)
             continue
         try:
-            tails.append(builder.tail(returned))
+            tail = builder.tail(returned)
         except FingerprintError as exc:
             logger.error("no fingerprint for request %s: %s", req.rid, exc)
             builder.release()
             continue
-        kept.append((builder, req))
+        if tail is not None:
+            tails.append(tail)
+        kept.append((builder, req, tail is not None))
     if not kept:
-        return
+        return []
     try:
-        built = iter(prove_queued([b for b, _ in kept], [c for c in tails if c is not None]))
+        job = prove_queued([b for b, _, _ in kept], tails)
     except Exception as exc:  # noqa: BLE001 - never the scheduler's end: these responses go without
         logger.error("no fingerprints for %d finishing requests: %r", len(kept), exc)
-        for builder, _ in kept:
+        for builder, _, _ in kept:
             builder.release()
-        return
-    for (builder, req), chunk in zip(kept, tails):
-        last = next(built) if chunk is not None else None
-        try:
-            fingerprint = builder.fingerprint(last)
-        except FingerprintError as exc:  # never the scheduler's end: this response goes without
-            logger.error("no fingerprint for request %s: %s", req.rid, exc)
-            builder.release()
-            continue
-        transport.post(req, **{FINGERPRINTS_FIELD: [fingerprint]})
+        return []
+    for builder, _, _ in kept:
+        builder.done = True  # no more rows; a later output batch holding the request again skips it
+    batch = FinishingBatch(kept, job)
+    _held.append(batch)
+    _held_ids.update(id(req) for req in batch.reqs)
+    return batch.reqs
+
+
+def release_finished(wait: bool = False) -> list[Any]:
+    """Requests held by `finish_builders` whose proofs are done (all of them with `wait`), oldest
+    first, with their fingerprints posted: they are ready to stream."""
+    ready: list[Any] = []
+    while _held and (wait or _held[0].job.done()):
+        ready += _held.pop(0).release()
+    _held_ids.difference_update(id(req) for req in ready)
+    return ready
+
+
+def holds_requests() -> bool:
+    """Whether finished requests wait for their fingerprints."""
+    return bool(_held)
+
+
+def held_ids() -> set[int]:
+    """ids of the requests held back (with the overlap schedule a finished request also shows up
+    in the next batch's outputs: it must not be streamed there without its fingerprint)."""
+    return _held_ids
 
 
 class PrefillVerification:

@@ -1,0 +1,115 @@
+"""Outputs of finishing fingerprinted requests are held until their last proofs are built
+(adapters/scheduler.py: stream_output_before, idle_before), with sglang's streamer and requests
+stood in by plain objects and real builders, proofs and toploc underneath.
+
+The scheduler step that sees requests finish must not wait for proofs; a held request must not
+leave with another batch's outputs before its fingerprint is posted (with the overlap schedule a
+finished request shows up again in the next batch); once its proofs are done it goes out with
+the next batch, which then carries log-probs if the held request asked for them; and an idle
+scheduler streams what is still held.
+"""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import pytest
+import toploc
+import torch
+
+from sglang_rl.adapters import scheduler, transport
+from sglang_rl.adapters import toploc as adapter
+from sglang_rl.fingerprint import decode_fingerprint
+
+TOPK = 16
+HIDDEN = 64
+
+
+def _fed(name: str, n: int, gen: torch.Generator, **kw) -> tuple[SimpleNamespace, torch.Tensor]:
+    """A request whose builder saw n rows, one per step; `finished` says whether it is done."""
+    rows = torch.randn(n, HIDDEN, generator=gen).to(torch.bfloat16)
+    builder = adapter.FingerprintBuilder(TOPK)
+    for i in range(n):
+        adapter.add_builder_rows([builder], rows[i : i + 1], TOPK)
+    req = SimpleNamespace(rid=name, finished_reason=None, output_ids_through_stop=[0] * n,
+                          return_logprob=kw.get("logprob", False), is_retracted=False, done=kw.get("finished", True))
+    req.finished = lambda r=req: r.done
+    setattr(req, scheduler.STATE_ATTR, builder)
+    return req, rows
+
+
+def _proofs(req: SimpleNamespace) -> list[bytes]:
+    fingerprint = getattr(req, transport._PENDING_ATTR)[adapter.FINGERPRINTS_FIELD][0]
+    return list(decode_fingerprint(fingerprint, expected_topk=TOPK).proofs)
+
+
+def _toploc(rows: torch.Tensor) -> list[bytes]:
+    return toploc.build_proofs_bytes(rows, decode_batching_size=32, topk=TOPK, skip_prefill=True)
+
+
+@pytest.fixture(autouse=True)
+def _server(monkeypatch: pytest.MonkeyPatch) -> None:
+    args = SimpleNamespace(toploc_verification=True, return_hidden_states_mode=None, drafter_cotrain=False)
+    monkeypatch.setattr(scheduler, "get_server_args", lambda: args)
+    monkeypatch.setattr(adapter, "_pending", adapter.PendingProofs(max_chunks=100, max_steps=100))
+    monkeypatch.setattr(adapter, "_store", adapter.RowStore())
+    monkeypatch.setattr(adapter, "_held", [])
+    monkeypatch.setattr(adapter, "_held_ids", set())
+
+
+def _streamed(result, reqs: list, flag: bool = False) -> tuple[list, bool]:
+    """What stream_output would be called with after the BEFORE hook's result."""
+    if result is None:
+        return reqs, flag
+    (_, out, out_flag, *_), _ = result
+    return out, out_flag
+
+
+def test_held_until_proven_never_streamed_early_then_released_with_log_probs() -> None:
+    gen = torch.Generator().manual_seed(3)
+    a, rows_a = _fed("a", 45, gen, logprob=True)
+    b, rows_b = _fed("b", 7, gen)
+    c, _ = _fed("c", 5, gen, finished=False)
+    streamer = object()
+
+    gate = threading.Event()
+    busy = adapter._proof_executor().submit(gate.wait, 30)
+    try:
+        out, flag = _streamed(scheduler.stream_output_before(streamer, [a, b, c], False), [a, b, c])
+        assert out == [c] and flag is False  # the finishing step returned without any proof
+        assert adapter.holds_requests() and not hasattr(a, transport._PENDING_ATTR)
+        # the overlap schedule's next batch still lists the finished requests: not streamed there
+        out, _ = _streamed(scheduler.stream_output_before(streamer, [a, b, c], False), [a, b, c])
+        assert out == [c]
+    finally:
+        gate.set()
+    busy.result(timeout=30)
+    adapter._proof_executor().submit(lambda: None).result(timeout=30)  # the finishing job ran
+    out, flag = _streamed(scheduler.stream_output_before(streamer, [c], False), [c])
+    assert out == [c, a, b] and flag is True  # a asked for log-probs
+    assert _proofs(a) == _toploc(rows_a) and _proofs(b) == _toploc(rows_b)
+    assert not adapter.holds_requests()
+    # a and b appear once more (overlap): they are done, so they pass through untouched
+    out, _ = _streamed(scheduler.stream_output_before(streamer, [a, b, c], False), [a, b, c])
+    assert out == [a, b, c]
+
+
+def test_an_idle_scheduler_streams_what_is_held() -> None:
+    gen = torch.Generator().manual_seed(4)
+    d, rows_d = _fed("d", 70, gen)
+    sent: list[tuple[list, bool]] = []
+    fake = SimpleNamespace(output_streamer=SimpleNamespace(stream_output=lambda reqs, flag: sent.append((reqs, flag))))
+
+    gate = threading.Event()
+    busy = adapter._proof_executor().submit(gate.wait, 30)
+    try:
+        out, _ = _streamed(scheduler.stream_output_before(object(), [d], False), [d])
+        assert out == []
+    finally:
+        gate.set()
+    busy.result(timeout=30)
+    scheduler.idle_before(fake)
+    assert sent == [([d], False)] and _proofs(d) == _toploc(rows_d)
+    scheduler.idle_before(fake)  # nothing held: nothing sent
+    assert len(sent) == 1
