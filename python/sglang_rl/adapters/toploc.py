@@ -307,9 +307,9 @@ class PendingProofs:
     and host ops that compete with the scheduler for the GIL, so chunks are gathered into one job
     of up to `max_chunks` chunks, started at the latest `max_steps` steps after its first chunk
     (default: 16 on a GPU server; 1 on a CPU server, where a proof costs per chunk, in numpy,
-    rather than per job, so holding chunks back only makes the finishing step wait longer).
-    A finishing request takes its own queued chunks out and proves them with its last partial
-    chunk (`prove_queued`), so it neither waits for nor starts the others' job. A queued chunk
+    rather than per job, so holding chunks back only makes finishing outputs wait longer).
+    A finishing request takes its own queued chunks out into the job of its last partial chunk
+    (`prove_queued`), so it neither waits for nor starts the others' job. A queued chunk
     knows its job's future at once: its slot stays lent until that job is done."""
 
     def __init__(self, max_chunks: int = 64, max_steps: Optional[int] = None) -> None:
