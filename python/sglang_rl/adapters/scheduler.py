@@ -140,8 +140,14 @@ def _rows_wanted(processor: Any) -> bool:
 
 
 def _server_wants_rows(args: Any) -> bool:
-    return bool(getattr(args, "toploc_verification", False) or args.return_hidden_states_mode
-                or getattr(args, "drafter_cotrain", False))
+    return bool(getattr(args, "toploc_verification", False) or _server_collects_rows(args))
+
+
+def _server_collects_rows(args: Any) -> bool:
+    """Whether requests can have row collectors: hidden-state fields need a server started with
+    --enable-return-hidden-states (the API refuses them otherwise), co-training rows need
+    --drafter-cotrain."""
+    return bool(args.return_hidden_states_mode or getattr(args, "drafter_cotrain", False))
 
 
 def _take(hidden: torch.Tensor, index: list[int] | range) -> torch.Tensor:
@@ -206,13 +212,18 @@ def decode_result_around(original: Callable, processor: Any, batch: Any, result:
         accepted = result.accept_lens.tolist() if result.accept_lens is not None else None
         builders, rows, counts = [], [], []
         collectors = []
+        # row collectors exist only on servers with hidden states or co-training; a TOPLOC-only
+        # server skips looking for them (this loop runs for every request at every step)
+        with_collectors = _server_collects_rows(processor.server_args)
+        collector = None
         for i, req in enumerate(batch.reqs):
             count = accepted[i] if accepted is not None else 1
-            for rows_of in _row_collectors(req):
-                if rows_of.stores and not rows_of.done and not (req.finished() or req.is_retracted):
-                    position = len(req.origin_input_ids) + len(req.output_ids) - 1
-                    collectors.append((rows_of, i * stride, count, position))
-            collector = getattr(req, HS_ATTR, None)
+            if with_collectors:
+                for rows_of in _row_collectors(req):
+                    if rows_of.stores and not rows_of.done and not (req.finished() or req.is_retracted):
+                        position = len(req.origin_input_ids) + len(req.output_ids) - 1
+                        collectors.append((rows_of, i * stride, count, position))
+                collector = getattr(req, HS_ATTR, None)
             state = getattr(req, STATE_ATTR, None)
             if isinstance(state, toploc.FingerprintBuilder) and not state.done:
                 # the deferred step of return_final_hidden_state samples a token that is never
