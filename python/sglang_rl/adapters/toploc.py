@@ -486,7 +486,6 @@ class FinishingBatch:
 
 
 _held: list[FinishingBatch] = []
-_held_ids: set[int] = set()
 
 
 def finish_builders(items: list[tuple[FingerprintBuilder, Any]]) -> list[Any]:
@@ -527,7 +526,6 @@ def finish_builders(items: list[tuple[FingerprintBuilder, Any]]) -> list[Any]:
         builder.done = True  # no more rows; a later output batch holding the request again skips it
     batch = FinishingBatch(kept, job)
     _held.append(batch)
-    _held_ids.update(id(req) for req in batch.reqs)
     return batch.reqs
 
 
@@ -537,7 +535,6 @@ def release_finished(wait: bool = False) -> list[Any]:
     ready: list[Any] = []
     while _held and (wait or _held[0].job.done()):
         ready += _held.pop(0).release()
-    _held_ids.difference_update(id(req) for req in ready)
     return ready
 
 
@@ -549,7 +546,7 @@ def holds_requests() -> bool:
 def held_ids() -> set[int]:
     """ids of the requests held back (with the overlap schedule a finished request also shows up
     in the next batch's outputs: it must not be streamed there without its fingerprint)."""
-    return _held_ids
+    return {id(req) for batch in _held for req in batch.reqs}
 
 
 class PrefillVerification:
