@@ -140,11 +140,9 @@ def pooled(rows: list[dict]) -> list[dict]:
     return list(by_mode.values())
 
 
-def round_ratios(rows: list[dict], text: str) -> str:
-    """on/off of each adjacent (off, on) pair of processes, by their medians, and their geometric
-    mean (the estimate that process-to-process drift affects least)."""
-    off = [statistics.median(r["shapes"][text]["rates"]) for r in rows if r["mode"] == "off"]
-    on = [statistics.median(r["shapes"][text]["rates"]) for r in rows if r["mode"] == "on"]
+def round_ratios(off: list[float], on: list[float]) -> str:
+    """on/off of each adjacent (off, on) pair of processes, by their medians (in the order they
+    ran), and their geometric mean (the estimate that process-to-process drift affects least)."""
     ratios = [b / a for a, b in zip(off, on)]
     if len(ratios) < 2:
         return ""
@@ -157,14 +155,15 @@ def table(rows: list[dict], args: argparse.Namespace) -> list[dict]:
     median = {(m["mode"], text): statistics.median(c["rates"]) for m in modes for text, c in m["shapes"].items()}
     lines = []
     for text in args.shapes:
+        base = median.get(("off", text))
+        off = next((o["shapes"][text]["medians"] for o in modes if o["mode"] == "off"), [])
         for m in modes:
             cell = m["shapes"][text]
-            base = median.get(("off", text))
             lines.append({"shape": text, "mode": m["mode"], "median_tok_per_s": round(median[(m["mode"], text)], 1),
                           "spread": f"{min(cell['rates']):.0f}..{max(cell['rates']):.0f}",
                           "process_medians": " ".join(f"{v:.0f}" for v in cell["medians"]),
                           "vs_off": round(median[(m["mode"], text)] / base, 3) if base else "",
-                          "round_ratios": round_ratios(rows, text) if m["mode"] == "on" else "",
+                          "round_ratios": round_ratios(off, cell["medians"]) if m["mode"] == "on" else "",
                           "tokens_per_step": cell["tokens_per_step"], "fingerprinted": cell["fingerprinted"],
                           "startup_s": " ".join(str(v) for v in m["startup_s"])})
     return lines
