@@ -154,7 +154,7 @@ def _finishing(n_tokens: int) -> SimpleNamespace:
     return SimpleNamespace(finished_reason=None, output_ids_through_stop=[0] * n_tokens, rid="r")
 
 
-def _posted(req: SimpleNamespace) -> list[bytes]:
+def posted_proofs(req: SimpleNamespace) -> list[bytes]:
     fingerprint = getattr(req, transport._PENDING_ATTR)[adapter.FINGERPRINTS_FIELD][0]
     return list(decode_fingerprint(fingerprint, expected_topk=TOPK).proofs)
 
@@ -180,7 +180,7 @@ def test_finishing_requests_prove_their_own_queued_chunks_and_leave_the_others_q
     first = [_finishing(40), _finishing(70)]
     assert adapter.finish_builders(list(zip(builders[:2], first))) == first
     assert adapter.release_finished(wait=True) == first
-    assert [_posted(r) for r in first] == [toploc_proofs(rows[0]), toploc_proofs(rows[1])]
+    assert [posted_proofs(r) for r in first] == [toploc_proofs(rows[0]), toploc_proofs(rows[1])]
     assert len(pending.queue) == 3 and pending.future is job and not job.done()
     # the retired slot moved with its chunk to the finishing requests' job, which has run
     assert retired.slot not in adapter._store._lent.get(job, []) and retired.slot not in adapter._store._free
@@ -190,7 +190,7 @@ def test_finishing_requests_prove_their_own_queued_chunks_and_leave_the_others_q
     rest = [_finishing(33), _finishing(75)]
     adapter.finish_builders(list(zip(builders[2:], rest)))
     assert adapter.release_finished(wait=True) == rest
-    assert [_posted(r) for r in rest] == [toploc_proofs(rows[2]), toploc_proofs(rows[3])]
+    assert [posted_proofs(r) for r in rest] == [toploc_proofs(rows[2]), toploc_proofs(rows[3])]
     assert pending.future is None and not pending.queue
 
 
@@ -225,7 +225,7 @@ def test_finishing_never_waits_for_proofs_and_slots_stay_lent_until_they_are_bui
         gate.set()
     busy.result(timeout=30)
     assert adapter.release_finished(wait=True) == reqs and not adapter.holds_requests()
-    assert [_posted(r) for r in reqs] == [toploc_proofs(rows[0]), toploc_proofs(rows[1])]
+    assert [posted_proofs(r) for r in reqs] == [toploc_proofs(rows[0]), toploc_proofs(rows[1])]
 
 
 def test_an_aborted_request_leaves_the_job(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -291,7 +291,7 @@ def test_random_traffic_gives_toploc_proofs_and_returns_every_slot(
             if r["abort"]:
                 assert not hasattr(r["req"], transport._PENDING_ATTR)
             else:
-                assert _posted(r["req"]) == toploc_proofs(torch.cat(r["rows"])[: r["returned"]])
+                assert posted_proofs(r["req"]) == toploc_proofs(torch.cat(r["rows"])[: r["returned"]])
                 finished += 1
         live = [r for r in live if r not in ending]
     for r in live:

@@ -15,15 +15,11 @@ import threading
 from types import SimpleNamespace
 
 import pytest
-import toploc
 import torch
 
 from sglang_rl.adapters import scheduler, transport
 from sglang_rl.adapters import toploc as adapter
-from sglang_rl.fingerprint import decode_fingerprint
-
-TOPK = 16
-HIDDEN = 64
+from test_fingerprint_builder import HIDDEN, TOPK, posted_proofs, toploc_proofs
 
 
 def _fed(name: str, n: int, gen: torch.Generator, **kw) -> tuple[SimpleNamespace, torch.Tensor]:
@@ -37,15 +33,6 @@ def _fed(name: str, n: int, gen: torch.Generator, **kw) -> tuple[SimpleNamespace
     req.finished = lambda r=req: r.done
     setattr(req, scheduler.STATE_ATTR, builder)
     return req, rows
-
-
-def _proofs(req: SimpleNamespace) -> list[bytes]:
-    fingerprint = getattr(req, transport._PENDING_ATTR)[adapter.FINGERPRINTS_FIELD][0]
-    return list(decode_fingerprint(fingerprint, expected_topk=TOPK).proofs)
-
-
-def _toploc(rows: torch.Tensor) -> list[bytes]:
-    return toploc.build_proofs_bytes(rows, decode_batching_size=32, topk=TOPK, skip_prefill=True)
 
 
 @pytest.fixture(autouse=True)
@@ -87,7 +74,7 @@ def test_held_until_proven_never_streamed_early_then_released_with_log_probs() -
     adapter._proof_executor().submit(lambda: None).result(timeout=30)  # the finishing job ran
     out, flag = _streamed(scheduler.stream_output_before(streamer, [c], False), [c])
     assert out == [c, a, b] and flag is True  # a asked for log-probs
-    assert _proofs(a) == _toploc(rows_a) and _proofs(b) == _toploc(rows_b)
+    assert posted_proofs(a) == toploc_proofs(rows_a) and posted_proofs(b) == toploc_proofs(rows_b)
     assert not adapter.holds_requests()
     # a and b appear once more (overlap): they are done, so they pass through untouched
     out, _ = _streamed(scheduler.stream_output_before(streamer, [a, b, c], False), [a, b, c])
@@ -109,6 +96,6 @@ def test_an_idle_scheduler_streams_what_is_held() -> None:
         gate.set()
     busy.result(timeout=30)
     scheduler.idle_before(fake)
-    assert sent == [([d], False)] and _proofs(d) == _toploc(rows_d)
+    assert sent == [([d], False)] and posted_proofs(d) == toploc_proofs(rows_d)
     scheduler.idle_before(fake)  # nothing held: nothing sent
     assert len(sent) == 1
