@@ -62,10 +62,12 @@ def _until_done(steps: list[list[int]], lengths: list[int]) -> list[list[int]]:
     return steps
 
 
-def _release(adapter, wait: bool) -> int:
-    """Outputs released by the plugin's proof hold (a tree before the hold posts them inline)."""
+def _release(adapter, wait: bool) -> None:
+    """Release the outputs the plugin's proof hold has ready (a tree before the hold posts them
+    inline and has nothing to release)."""
     release = getattr(adapter, "release_finished", None)
-    return len(release(wait=wait)) if release is not None else 0
+    if release is not None:
+        release(wait=wait)
 
 
 def _run(steps: list[list[int]], lengths: list[int], hidden: int, topk: int, step_s: float,
