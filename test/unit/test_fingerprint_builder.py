@@ -19,6 +19,7 @@ import torch
 from sglang_rl.adapters import toploc as adapter
 from sglang_rl.adapters import transport
 from sglang_rl.fingerprint import FingerprintError, decode_fingerprint
+from sglang_rl.fingerprint.device_prover import DeviceProver
 
 TOPK = 16
 HIDDEN = 64
@@ -43,16 +44,32 @@ def feed(builders: list, runs: list[list[int]], rows: list[torch.Tensor]) -> Non
             taken[i] += c
 
 
+@pytest.fixture(params=["proof thread", "device launches"])
+def proof_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways proofs are built: a CPU server's proof thread, and a GPU server's launches from
+    the scheduler thread over a store on the device (here the CPU is that device: the same
+    bookkeeping, with each launch computed at once)."""
+    if request.param == "device launches":
+        prover = DeviceProver(torch.device("cpu"))
+        monkeypatch.setattr(adapter, "_prover", lambda: prover)
+    monkeypatch.setattr(adapter, "_store", adapter.RowStore())
+    monkeypatch.setattr(adapter, "_pending", adapter.PendingProofs())
+    return request.param
+
+
 def fingerprint_of(builder, n_rows: int) -> list[bytes]:
     tail = builder.tail(n_rows)
-    last = adapter._prove([tail], TOPK, None)[0] if tail is not None else None
+    last = None
+    if tail is not None:
+        slot, rows = tail
+        last = adapter._prove([adapter._store.data[slot, :rows].cpu()], TOPK)[0]
     fp = decode_fingerprint(builder.finish(last), expected_topk=TOPK)
     assert fp.n_rows == n_rows
     return list(fp.proofs)
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_runs_and_cut_match_toploc(seed: int) -> None:
+def test_runs_and_cut_match_toploc(seed: int, proof_path: str) -> None:
     rng = random.Random(seed)
     n_builders = 5
     runs = [[rng.randint(1, 5) for _ in range(rng.randint(3, 30))] for _ in range(n_builders)]
@@ -66,7 +83,8 @@ def test_runs_and_cut_match_toploc(seed: int) -> None:
 
 
 @pytest.mark.parametrize("max_steps", [1, 100])
-def test_cut_reaching_into_the_last_full_chunk(monkeypatch: pytest.MonkeyPatch, max_steps: int) -> None:
+def test_cut_reaching_into_the_last_full_chunk(monkeypatch: pytest.MonkeyPatch, max_steps: int,
+                                               proof_path: str) -> None:
     """33 rows, 3 of them past the end: the full chunk's proof is replaced by a 30-row one,
     whether its job has started (max_steps 1) or the chunk is still queued (100)."""
     pending = adapter.PendingProofs(max_chunks=100, max_steps=max_steps)
@@ -105,7 +123,7 @@ def test_a_full_chunk_slot_is_not_reused_while_its_proof_job_may_read_it() -> No
     assert store.acquire(HIDDEN) == first  # the job finished: the slot is back
 
 
-def test_builders_of_many_requests_with_slots_lent_and_returned_match_toploc() -> None:
+def test_builders_of_many_requests_with_slots_lent_and_returned_match_toploc(proof_path: str) -> None:
     """More chunks than the store's first 64 slots, across builders that fill at different steps:
     every fingerprint still equals toploc's (a slot reused too early would corrupt a proof)."""
     gen = torch.Generator().manual_seed(3)
@@ -115,22 +133,6 @@ def test_builders_of_many_requests_with_slots_lent_and_returned_match_toploc() -
     feed(builders, [[1] * n for n in lengths], rows)
     for builder, n, r in zip(builders, lengths, rows):
         assert fingerprint_of(builder, n) == toploc_proofs(r)
-
-
-def test_slot_runs_cover_every_slot_in_order() -> None:
-    """A GPU proof job copies each run of consecutive slots in one transfer: the runs must put
-    every slot at its own position."""
-    rng = random.Random(7)
-    for _ in range(200):
-        slots = rng.sample(range(40), rng.randint(1, 20))
-        if rng.random() < 0.5:
-            slots.sort()
-        placed = [None] * len(slots)
-        for position, first, count in adapter._runs(slots):
-            for offset in range(count):
-                placed[position + offset] = first + offset
-        assert placed == slots
-    assert adapter._runs([3, 4, 5, 9, 10, 2]) == [(0, 3, 3), (3, 9, 2), (5, 2, 1)]
 
 
 def test_a_job_starts_when_old_enough(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -160,7 +162,7 @@ def posted_proofs(req: SimpleNamespace) -> list[bytes]:
 
 
 def test_finishing_requests_prove_their_own_queued_chunks_and_leave_the_others_queued(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, proof_path: str,
 ) -> None:
     """A request that finishes takes its full chunks out of the pending job and proves them with
     its last partial chunk; the job of the others is neither started nor waited for, and slots
@@ -183,7 +185,9 @@ def test_finishing_requests_prove_their_own_queued_chunks_and_leave_the_others_q
     assert [posted_proofs(r) for r in first] == [toploc_proofs(rows[0]), toploc_proofs(rows[1])]
     assert len(pending.queue) == 3 and pending.future is job and not job.done()
     # the retired slot moved with its chunk to the finishing requests' job, which has run
-    assert retired.slot not in adapter._store._lent.get(job, []) and retired.slot not in adapter._store._free
+    assert retired.slot not in adapter._store._lent.get(job, [])
+    if proof_path == "proof thread":
+        assert retired.slot not in adapter._store._free
 
     pending.flush(TOPK)
     job.result(timeout=30)
@@ -255,7 +259,7 @@ def test_a_full_job_starts_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("max_steps", [1, 16])
 def test_random_traffic_gives_toploc_proofs_and_returns_every_slot(
-    monkeypatch: pytest.MonkeyPatch, max_steps: int,
+    monkeypatch: pytest.MonkeyPatch, max_steps: int, proof_path: str,
 ) -> None:
     """Requests arrive, commit runs of rows, finish at their own steps (some cut inside their last
     run) or are aborted: every posted fingerprint equals toploc's proofs of the request's returned
@@ -263,7 +267,6 @@ def test_random_traffic_gives_toploc_proofs_and_returns_every_slot(
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
     monkeypatch.setattr(adapter, "_pending", adapter.PendingProofs(max_steps=max_steps))
-    monkeypatch.setattr(adapter, "_store", adapter.RowStore())
     rng = random.Random(max_steps)
     gen = torch.Generator().manual_seed(max_steps)
     live: list[dict] = []

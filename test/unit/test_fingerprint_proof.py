@@ -212,3 +212,47 @@ def test_matrix_path_extreme_points() -> None:
     y = torch.tensor([[65535, 65497, 0] + [rng.randrange(65536) for _ in range(k - 3)]])
     expected = ProofPoly.from_points(x[0].tolist(), y[0].tolist()).to_bytes()
     assert proof_module._matrix_proofs(x, y) == [expected]
+
+
+def _words_proofs(chunks: list[torch.Tensor], topk: int) -> list[bytes]:
+    """`proof_words` over chunks padded to 32 rows (the padding holds huge values, which must
+    never be picked), then `proofs_from_words`."""
+    hidden = chunks[0].shape[1]
+    padded = torch.full((len(chunks), 32, hidden), 1e4, dtype=torch.bfloat16)
+    for i, chunk in enumerate(chunks):
+        padded[i, : chunk.shape[0]] = chunk
+    rows = torch.tensor([c.shape[0] for c in chunks], dtype=torch.int64)
+    return proof_module.proofs_from_words(proof_module.proof_words(padded, rows, topk), topk)
+
+
+@pytest.mark.parametrize("topk", [1, 16, 128])
+def test_fixed_shape_words_match_toploc(topk: int) -> None:
+    """The GPU servers' graph-replayed path: padded chunks of many row counts in one fixed
+    sequence of ops give toploc's bytes (tie-free values: a padded row's top-k may order ties
+    differently, as toploc's own GPU top-k may)."""
+    generator = torch.Generator().manual_seed(topk)
+    chunks = [_tie_free_rows(n, 64, generator) for n in (32, 5, 32, 17, 2, 31, 32)]
+    assert _words_proofs(chunks, topk) == [toploc_proof(c, topk) for c in chunks]
+
+
+def test_fixed_shape_words_use_a_smaller_modulus_among_the_candidates() -> None:
+    pairs = [(11, 11 + PRIME), (500, 500 + PRIME - 1), (1234, 1234 + PRIME - 2)]
+    chunks = [_colliding_chunk(pairs, seed) for seed in range(3)]
+    expected = [toploc_proof(chunk, 128) for chunk in chunks]
+    assert all(modulus_of(p) == PRIME - 3 for p in expected)
+    words = proof_module.proof_words(torch.stack(chunks), torch.full((3,), 32), 128)
+    assert words[:, 0].tolist() == [PRIME - 3] * 3  # found on the device, no host fallback
+    assert proof_module.proofs_from_words(words, 128) == expected
+
+
+def test_rows_without_a_candidate_modulus_are_proven_on_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chunk whose indices collide under every fixed candidate gets modulus 0 from the device
+    and its proof from the host's full search; the other rows keep the device's."""
+    pairs = [(11, 11 + PRIME), (500, 500 + PRIME - 1)]
+    generator = torch.Generator().manual_seed(9)
+    plain = torch.randn(32, 4096, generator=generator).to(torch.bfloat16)
+    chunks = [_colliding_chunk(pairs, 1), plain]
+    monkeypatch.setattr(proof_module, "FIXED_CANDIDATES", 2)
+    words = proof_module.proof_words(torch.stack(chunks), torch.full((2,), 32), 128)
+    assert words[0, 0] == 0 and words[1, 0] == PRIME
+    assert proof_module.proofs_from_words(words, 128) == [toploc_proof(c, 128) for c in chunks]

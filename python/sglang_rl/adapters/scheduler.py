@@ -196,7 +196,7 @@ def prefill_result_around(original: Callable, processor: Any, batch: Any, result
                 builders.append(state)
                 last_rows.append(hi - 1)
         if builders:
-            toploc.add_builder_rows(builders, _take(hidden, last_rows), _topk())
+            toploc.add_builder_rows(builders, hidden, _topk(), picks=last_rows)
     return original(processor, batch, result)
 
 
@@ -233,7 +233,7 @@ def decode_result_around(original: Callable, processor: Any, batch: Any, result:
                     rows.extend(range(i * stride, i * stride + count))
                     counts.append(count)
         if builders:
-            toploc.add_builder_rows(builders, _take(hidden, rows), _topk(), counts)
+            toploc.add_builder_rows(builders, hidden, _topk(), counts, picks=rows)
         if collectors:
             hidden_states.add_decode_rows(collectors, _private_host_rows(hidden, processor))
     return original(processor, batch, result)

@@ -1,12 +1,14 @@
 """Scheduler side of TOPLOC: per-request fingerprint builders and verification of prefills.
 
-Generation: the row that sampled output token j (the lm_head input of that step) is appended to
-the request's builder; full chunks of 32 rows are gathered into jobs of many chunks, which a
-background thread turns into toploc proofs (on a GPU server: top-k and interpolation on the GPU),
-so the scheduler loop never waits on top-k or interpolation. When requests finish, one more job
-proves their last partial chunks and their chunks still queued; their outputs are held until it
-is done (`finish_builders`, `release_finished`), then each fingerprint (all proofs, one container
-string) is posted to its response.
+Generation: the row that sampled output token j (the lm_head input of that step) is written to
+the request's slot of the row store; full chunks of 32 rows are gathered into jobs of many
+chunks, so the scheduler loop never waits on top-k or interpolation. On a GPU server the store is
+on the GPU and the scheduler thread launches each job there itself, as a replayed CUDA graph on a
+side stream (`DeviceJob`, `fingerprint/device_prover.py`), and picks up the proofs when they are
+back; on a CPU server a background thread builds them from the host store. When requests finish,
+one more job proves their last partial chunks and their chunks still queued; their outputs are
+held until it is done (`finish_builders`, `release_finished`), then each fingerprint (all proofs,
+one container string) is posted to its response.
 
 Verification: a prefill-only request carrying a fingerprint captures its prefill rows (FULL mode
 for that request only); once its prefill is done, rows [L-1, L-1+n) - the rows that produced the
@@ -15,9 +17,10 @@ n response tokens - are checked against the proofs with toploc's verifier.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -34,6 +37,7 @@ from sglang_rl.fingerprint import (
     encode_fingerprint,
     verify_rows,
 )
+from sglang_rl.fingerprint.device_prover import DeviceProver, LaunchedProofs
 from sglang_rl.fingerprint.calibration import UNCALIBRATED, ThresholdPolicy, cached_policy
 from sglang_rl.request_options import RESPONSE_START_KEY
 
@@ -76,11 +80,58 @@ def thresholds_from_server_args(server_args: Any) -> ThresholdPolicy:
     return ThresholdPolicy(full=base, source=source)
 
 
+class DeviceJob(Future):
+    """A proof job of a GPU server: launched on the device by the scheduler thread itself (a
+    second Python thread would fight the busy scheduler for the GIL at each of its ops), and
+    completed by whichever scheduler-thread call first finds it done (`done`) or waits (`result`).
+    Its slots may be written again once it is launched: the writes queue behind its reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.launched: Optional[LaunchedProofs] = None
+        self._finish: Optional[Callable[[list[bytes]], Any]] = None
+
+    def attach(self, launched: LaunchedProofs, finish: Callable[[list[bytes]], Any]) -> None:
+        """The job is on the device; `finish(proofs)` gives the result once its proofs are back."""
+        self.launched, self._finish = launched, finish
+
+    def _complete(self, wait: bool) -> None:
+        if Future.done(self) or self.launched is None or not (wait or self.launched.ready()):
+            return
+        try:
+            self.set_result(self._finish(self.launched.proofs()))
+        except BaseException as exc:  # noqa: BLE001 - the waiting requests report it
+            self.set_exception(FingerprintError(f"proof job failed: {exc!r}"))
+
+    def done(self) -> bool:
+        self._complete(wait=False)
+        return super().done()
+
+    def result(self, timeout: Optional[float] = None) -> Any:
+        if self.launched is None and not Future.done(self):
+            raise FingerprintError("a proof job was waited for before it was started")
+        self._complete(wait=True)
+        return super().result(timeout)
+
+
+def _reads_done(job: Future) -> bool:
+    """Whether a job no longer needs its slots' rows (a launched device job has queued its reads
+    ahead of any later write; a thread job reads until it is done)."""
+    if isinstance(job, DeviceJob) and job.launched is not None:
+        return True
+    return job.done()
+
+
+def _new_job() -> Future:
+    return DeviceJob() if _prover() is not None else Future()
+
+
 class RowStore:
-    """Host chunk buffers of all generating requests in one tensor [slots, 32, H] (bf16), so that a
-    scheduler step writes every request's row with a single indexed copy. A full chunk is not
-    copied out: its slot is lent to the proof job (and kept for a speculative cut at finish) while
-    the builder goes on in a fresh slot."""
+    """Chunk buffers of all generating requests in one tensor [slots, 32, H] (bf16), so that a
+    scheduler step writes every request's rows with one indexed copy. On a GPU server it lives on
+    the GPU (rows are written there on the proof stream and proven there); on a CPU server on the
+    host. A full chunk is not copied out: its slot is lent to the proof job (and kept for a
+    speculative cut at finish) while the builder goes on in a fresh slot."""
 
     def __init__(self) -> None:
         self.data: Optional[torch.Tensor] = None
@@ -89,7 +140,7 @@ class RowStore:
 
     def acquire(self, hidden_size: int) -> int:
         if self._lent:  # few jobs, many slots: look at each job once
-            for future in [f for f in self._lent if f.done()]:
+            for future in [f for f in self._lent if _reads_done(f)]:
                 self._free.extend(self._lent.pop(future))
         if self.data is None:
             self.data = self._allocate(64, hidden_size)
@@ -97,21 +148,22 @@ class RowStore:
         if not self._free:
             old = self.data.shape[0]
             grown = self._allocate(2 * old, hidden_size)
-            grown[:old].copy_(self.data)
+            with _on_proof_stream():
+                grown[:old].copy_(self.data)
             self.data = grown  # a proof job still reading the old tensor keeps it alive
             self._free = list(range(2 * old - 1, old - 1, -1))
         return self._free.pop()
 
     @staticmethod
     def _allocate(slots: int, hidden_size: int) -> torch.Tensor:
-        """Page-locked on a GPU server, so a proof job copies full chunks straight to the device,
-        asynchronously, without staging them."""
-        pinned = _selection_device() is not None
-        return torch.empty(slots, CHUNK_ROWS, hidden_size, dtype=torch.bfloat16, pin_memory=pinned)
+        prover = _prover()
+        with _on_proof_stream():  # allocated on the stream every later use is ordered on
+            return torch.empty(slots, CHUNK_ROWS, hidden_size, dtype=torch.bfloat16,
+                               device=prover.device if prover is not None else "cpu")
 
     def release(self, slot: int, reader: Optional[Future] = None) -> None:
         """Free a slot; one that a pending proof job (`reader`) still reads is freed after it."""
-        if reader is None or reader.done():
+        if reader is None or _reads_done(reader):
             self._free.append(slot)
         else:
             self._lent.setdefault(reader, []).append(slot)
@@ -126,19 +178,46 @@ class RowStore:
             del self._lent[reader]
         self._lent.setdefault(new_reader, []).append(slot)
 
-    def write(self, index: list[int], rows: torch.Tensor) -> None:
-        """rows[i] -> flat row index[i] (slot * 32 + row in chunk), as one index_copy_. An even
-        hidden size is copied as int32 words, two bf16 each: the same bits, and on the CPU about
-        twice as fast as bf16 elements (47 vs 26 us for 64 rows of 4096)."""
-        flat = self.data.view(-1, self.data.shape[-1])
-        if flat.shape[-1] % 2 == 0:
-            flat, rows = flat.view(torch.int32), rows.contiguous().view(torch.int32)
-        flat.index_copy_(0, torch.tensor(index, dtype=torch.long), rows)
+    def write(self, index: list[int], rows: torch.Tensor, picks: Optional[list[int] | range] = None) -> None:
+        """rows[picks[i]] (rows[i] without picks) -> flat row index[i] (slot * 32 + row in chunk),
+        as one index_copy_. Host rows bound for a device store cross in one copy, on the proof
+        stream, all of them when most are picked (a page-locked batch copy is asynchronous),
+        else only the picked ones. An even hidden size is copied as int32 words, two bf16 each:
+        the same bits, and on the CPU about twice as fast as bf16 elements."""
+        device = self.data.device
+        with _on_proof_stream():
+            if picks is not None and (device.type == "cpu" or 2 * len(picks) < rows.shape[0]):
+                rows, picks = _pick(rows, picks), None
+            if rows.device != device:
+                rows = rows.to(device, non_blocking=True)
+            if rows.dtype != torch.bfloat16:
+                rows = rows.to(torch.bfloat16)
+            if picks is not None:
+                rows = _pick(rows, picks)
+            flat = self.data.view(-1, self.data.shape[-1])
+            if flat.shape[-1] % 2 == 0:
+                flat, rows = flat.view(torch.int32), rows.contiguous().view(torch.int32)
+            flat.index_copy_(0, _index_tensor(index, device), rows)
+
+
+def _pick(rows: torch.Tensor, picks: list[int] | range) -> torch.Tensor:
+    """rows[picks] for ascending `picks`: a view for a run of rows (all rows, say, in plain
+    decoding), else one gather (on the rows' device)."""
+    if picks and picks[-1] - picks[0] == len(picks) - 1:
+        return rows[picks[0] : picks[-1] + 1]
+    return rows.index_select(0, _index_tensor(picks, rows.device))
+
+
+def _index_tensor(index: list[int], device: torch.device) -> torch.Tensor:
+    if device.type == "cpu":
+        return torch.tensor(index, dtype=torch.long)
+    return torch.tensor(index, dtype=torch.long, pin_memory=True).to(device, non_blocking=True)
 
 
 _store = RowStore()
 _device: Optional[torch.device] = None
 _streams: dict[torch.device, Any] = {}
+_provers: dict[torch.device, DeviceProver] = {}
 
 
 def _selection_device() -> Optional[torch.device]:
@@ -148,6 +227,18 @@ def _selection_device() -> Optional[torch.device]:
     if _device is None and torch.cuda.is_available() and _server_device() not in ("cpu", None):
         _device = torch.device("cuda", torch.cuda.current_device())
     return _device
+
+
+def _prover() -> Optional[DeviceProver]:
+    """The prover of a GPU server's row store, None on a CPU server (its proofs are built in the
+    proof thread, in numpy)."""
+    device = _selection_device()
+    if device is None:
+        return None
+    prover = _provers.get(device)
+    if prover is None:
+        prover = _provers[device] = DeviceProver(device, _proof_stream(device))
+    return prover
 
 
 def _server_device() -> Optional[str]:
@@ -165,41 +256,17 @@ def _proof_stream(device: torch.device) -> Any:
     return stream
 
 
-def _prove(chunks: torch.Tensor | list[torch.Tensor], topk: int, device: Optional[torch.device]) -> list[bytes]:
-    """toploc proofs of host chunks. On a GPU server the batched top-k and the interpolation run
-    on the GPU, on a side stream of its own (it never waits for the forward), and only the proof
-    coefficients come back to the host."""
-    if device is None:
-        return build_chunk_proofs(chunks, topk)
-    with torch.cuda.device(device), torch.cuda.stream(_proof_stream(device)):
-        if isinstance(chunks, torch.Tensor):
-            return build_chunk_proofs(chunks.pin_memory().to(device, non_blocking=True), topk)
-        return build_chunk_proofs([c.to(device, non_blocking=True) for c in chunks], topk)
+def _on_proof_stream() -> Any:
+    """The context in which a GPU server touches the row store: its prover's side stream."""
+    prover = _prover()
+    if prover is None or prover.stream is None:
+        return contextlib.nullcontext()
+    return prover.on_stream()
 
 
-def _prove_slots(data: torch.Tensor, slots: list[int], topk: int, device: Optional[torch.device]) -> list[bytes]:
-    """Proofs of the full chunks in `slots` of `data`, gathered here, in the proof thread, so the
-    scheduler step that filled them copies nothing. On a GPU server the page-locked slots go to
-    the device one run of consecutive slots per copy, on the proof stream."""
-    if device is None or not data.is_pinned():
-        return _prove(data.index_select(0, torch.tensor(slots, dtype=torch.long)), topk, device)
-    stream = _proof_stream(device)
-    with torch.cuda.device(device), torch.cuda.stream(stream):
-        chunks = torch.empty((len(slots), *data.shape[1:]), dtype=data.dtype, device=device)
-        for start, first, count in _runs(slots):
-            chunks[start : start + count].copy_(data[first : first + count], non_blocking=True)
-        return build_chunk_proofs(chunks, topk)
-
-
-def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
-    """(position, first slot, length) of each run of consecutive slots, in order."""
-    runs: list[tuple[int, int, int]] = []
-    for position, slot in enumerate(slots):
-        if runs and runs[-1][1] + runs[-1][2] == slot:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((position, slot, 1))
-    return runs
+def _prove(chunks: torch.Tensor | list[torch.Tensor], topk: int) -> list[bytes]:
+    """toploc proofs of host chunks (a CPU server's proof thread)."""
+    return build_chunk_proofs(chunks, topk)
 
 
 class _Chunk:
@@ -253,9 +320,9 @@ class FingerprintBuilder:
             _store.release(chunk.slot, chunk.job)
             chunk.released = True
 
-    def tail(self, n_rows: int) -> Optional[torch.Tensor]:
-        """The rows of the last, partial chunk of a fingerprint over the first `n_rows` rows (None
-        if there are none), as a view into the row store, valid until `finish` or `release`. A
+    def tail(self, n_rows: int) -> Optional[tuple[int, int]]:
+        """The last, partial chunk of a fingerprint over the first `n_rows` rows as (slot, rows
+        in it), None if there is none; its rows stay in the store until `finish` or `release`. A
         speculative step's run of rows may go past the request's end (sglang cuts the tokens with
         finished_len): those rows are dropped here, also from the newest full chunk, which then
         becomes the partial one."""
@@ -268,11 +335,11 @@ class FingerprintBuilder:
         self.rows_seen = n_rows
         if excess <= self.fill:
             keep = self.fill - excess
-            return _store.data[self.slot, :keep] if keep else None
+            return (self.slot, keep) if keep else None
         self._cut = self.chunks.pop()
         _pending.take([self._cut])
         keep = CHUNK_ROWS - (excess - self.fill)
-        return _store.data[self._cut.slot, :keep] if keep else None
+        return (self._cut.slot, keep) if keep else None
 
     def finish(self, last_proof: Optional[bytes]) -> str:
         """The fingerprint string of this builder alone, waiting for the proofs of its full chunks
@@ -326,7 +393,7 @@ class PendingProofs:
     def add(self, chunk: _Chunk) -> None:
         """Queue a full chunk for the next job."""
         if self.future is None:
-            self.future, self.queue, self._steps = Future(), [], 0
+            self.future, self.queue, self._steps = _new_job(), [], 0
         chunk.job = self.future
         self.queue.append(chunk)
 
@@ -368,34 +435,59 @@ class PendingProofs:
         if not chunks:
             future.set_result(None)
             return
-        slots = [chunk.slot for chunk in chunks]
-        device = _selection_device()
+        def assign(proofs: list[bytes]) -> None:
+            for chunk, proof in zip(chunks, proofs):
+                chunk.proof = proof
 
-        def job() -> None:
-            if not future.set_running_or_notify_cancel():
-                return
-            try:
-                for chunk, proof in zip(chunks, _prove_slots(_store.data, slots, topk, device)):
-                    chunk.proof = proof
-                future.set_result(None)
-            except BaseException as exc:  # noqa: BLE001 - the waiting request reports it
-                future.set_exception(FingerprintError(f"proof job failed: {exc!r}"))
-
-        _proof_executor().submit(job)
+        _start(future, [(chunk.slot, CHUNK_ROWS) for chunk in chunks], topk, assign)
 
 
 _pending = PendingProofs()
 
 
-def prove_queued(builders: list[FingerprintBuilder], tails: Optional[list[torch.Tensor]] = None) -> Future:
+def _start(future: Future, parts: list[tuple[int, int]], topk: int,
+           finish: Callable[[list[bytes]], Any]) -> None:
+    """Start the proofs of store chunks `parts` ((slot, rows) each); `future` gets
+    `finish(proofs)`. A GPU server launches them here, on the device (`DeviceJob`); a CPU
+    server's proof thread builds them from the host store."""
+    prover = _prover()
+    if prover is not None:
+        try:
+            with _on_proof_stream():
+                launched = prover.launch(_store.data, [slot for slot, _ in parts], [rows for _, rows in parts], topk)
+        except Exception as exc:  # noqa: BLE001 - never the scheduler's end: the waiting requests report it
+            future.set_exception(FingerprintError(f"proof job failed to start: {exc!r}"))
+            return
+        future.attach(launched, finish)
+        return
+    data = _store.data
+    full = all(rows == CHUNK_ROWS for _, rows in parts)
+    chunks: torch.Tensor | list[torch.Tensor] = (
+        data.index_select(0, torch.tensor([slot for slot, _ in parts], dtype=torch.long)) if full
+        else [data[slot, :rows] for slot, rows in parts]
+    )
+
+    def job() -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(finish(_prove(chunks, topk)))
+        except BaseException as exc:  # noqa: BLE001 - the waiting requests report it
+            future.set_exception(FingerprintError(f"proof job failed: {exc!r}"))
+
+    _proof_executor().submit(job)
+
+
+def prove_queued(builders: list[FingerprintBuilder], tails: Optional[list[tuple[int, int]]] = None) -> Future:
     """Start one proof job for the builders' full chunks still queued for a job (they take them
-    out of it) and for `tails`; its future gives the tails' proofs. The job runs in the proof
-    thread after every job started before it, so once it is done each of the builders' chunks
-    has its proof. Slots the taken chunks lent to the queued job stay lent, now to this one."""
+    out of it) and for `tails` ((slot, rows) of partial chunks); its future gives the tails'
+    proofs. Once it is done each of the builders' chunks has its proof (a thread job runs after
+    every job started before it; a device job's chunks were all launched before it). Slots the
+    taken chunks lent to the queued job stay lent, now to this one."""
     queued_in = _pending.future
     queued = _pending.take([chunk for b in builders for chunk in b.chunks])
     tails = tails or []
-    future: Future = Future()
+    future = _new_job()
     for chunk in queued:
         if chunk.released:
             _store.relend(chunk.slot, queued_in, future)
@@ -403,36 +495,27 @@ def prove_queued(builders: list[FingerprintBuilder], tails: Optional[list[torch.
     if not queued and not tails:
         future.set_result([])
         return future
-    chunks = [_store.data[c.slot] for c in queued] + tails
-    topk, device = builders[0].topk, _selection_device()
 
-    def job() -> None:
-        if not future.set_running_or_notify_cancel():
-            return
-        try:
-            proofs = _prove(chunks, topk, device)
-            for chunk, proof in zip(queued, proofs):
-                chunk.proof = proof
-            future.set_result(proofs[len(queued):])
-        except BaseException as exc:  # noqa: BLE001 - the finishing requests report it
-            future.set_exception(FingerprintError(f"proof job failed: {exc!r}"))
+    def assign(proofs: list[bytes]) -> list[bytes]:
+        for chunk, proof in zip(queued, proofs):
+            chunk.proof = proof
+        return proofs[len(queued):]
 
-    _proof_executor().submit(job)
+    _start(future, [(c.slot, CHUNK_ROWS) for c in queued] + tails, builders[0].topk, assign)
     return future
 
 
 def add_builder_rows(builders: list[FingerprintBuilder], rows: torch.Tensor, topk: int,
-                     counts: Optional[list[int]] = None) -> None:
-    """Append rows to builders: `rows` [sum(counts), H] (CPU) holds each builder's run of
-    `counts[i]` rows in turn (one row each when counts is None; a speculative step commits a run).
-    The whole step is one indexed write; chunks filled in it join the pending proof job
-    (`PendingProofs`), which gathers their rows itself (the scheduler copies nothing)."""
+                     counts: Optional[list[int]] = None, picks: Optional[list[int] | range] = None) -> None:
+    """Append rows to builders: the step's rows (`rows[picks]`, all of `rows` without picks:
+    [sum(counts), H] on the host) hold each builder's run of `counts[i]` rows in turn (one row
+    each when counts is None; a speculative step commits a run). The whole step is one indexed
+    write; chunks filled in it join the pending proof job (`PendingProofs`), which reads their
+    rows from the store itself (the scheduler copies nothing)."""
     if not builders:
         return
     counts = counts or [1] * len(builders)
     hidden = rows.shape[-1]
-    if rows.dtype != torch.bfloat16:
-        rows = rows.to(torch.bfloat16)
     index: list[int] = []
     for b, count in zip(builders, counts):
         if b.slot is None:
@@ -447,7 +530,7 @@ def add_builder_rows(builders: list[FingerprintBuilder], rows: torch.Tensor, top
             if b.fill == CHUNK_ROWS:
                 _pending.add(b.chunk_filled(hidden))  # queued at once: its slot is lent from here on
         b.rows_seen += count
-    _store.write(index, rows)
+    _store.write(index, rows, picks)
     _pending.step(topk)
 
 

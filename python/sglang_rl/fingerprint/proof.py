@@ -261,6 +261,58 @@ def _matrix_proofs(indices: torch.Tensor, value_bits: torch.Tensor) -> list[byte
     return _pack(moduli.cpu(), coeffs.cpu())
 
 
+FIXED_CANDIDATES = 17
+"""Moduli tried by `proof_words` (65497 down to 65481): a chunk whose top-k indices collide under
+all of them is proven on the host instead (`proofs_from_words`); with 128 indices below 2**22
+a collision under one candidate takes two indices exactly m apart, so this is very rare."""
+
+
+@functools.lru_cache(maxsize=16)
+def _flat_positions(elements: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(elements, device=device)
+
+
+def proof_words(chunks: torch.Tensor, rows: torch.Tensor, topk: int) -> torch.Tensor:
+    """Proofs of padded chunks as int64 words, in a fixed sequence of tensor ops that never waits
+    on the device (no data-dependent shapes), so one CUDA graph can replay it.
+
+    ``chunks`` [B, R, H]: chunk b is its first ``rows[b]`` rows ([B] int64, 1..R; the rest is
+    padding, ranked below every real |x|, so flat indices are those of the chunk alone). Returns
+    [B, 1 + 3k]: the injective modulus (0 where none of the FIXED_CANDIDATES fits), the k
+    coefficients, then the top-k indices and bf16 bit patterns that `proofs_from_words` needs
+    for such a row."""
+    batch = chunks.shape[0]
+    flat = chunks.reshape(batch, -1).to(torch.bfloat16)
+    magnitude = flat.abs()
+    width = chunks.shape[-1]
+    padding = _flat_positions(flat.shape[1], flat.device).unsqueeze(0) >= (rows * width).unsqueeze(1)
+    magnitude.masked_fill_(padding, -1.0)
+    indices, bits = _ranked_bits(flat, magnitude, topk)
+    candidates = PRIME - _flat_positions(FIXED_CANDIDATES, flat.device)
+    residues = indices.unsqueeze(1) % candidates.view(1, -1, 1)
+    ordered = residues.sort(dim=2).values
+    injective = (ordered[..., 1:] != ordered[..., :-1]).all(dim=2)
+    first = injective.to(torch.int8).argmax(dim=1)
+    moduli = torch.where(injective.any(dim=1), candidates[first], 0)
+    usable = torch.where(moduli > 0, moduli, PRIME)
+    coeffs = _lagrange_coefficients(indices % usable.unsqueeze(1), bits.to(torch.int64) % PRIME)
+    return torch.cat([moduli.unsqueeze(1), coeffs, indices, bits.to(torch.int64)], dim=1)
+
+
+def proofs_from_words(words: torch.Tensor, topk: int) -> list[bytes]:
+    """toploc proofs from `proof_words` output on the host; a row without a fixed-candidate
+    modulus is proven here from its indices and values, with the full modulus search."""
+    moduli, coeffs = words[:, 0].clone(), words[:, 1 : 1 + topk].clone()
+    missing = (moduli == 0).nonzero().flatten()
+    if missing.numel():
+        indices = words[missing, 1 + topk : 1 + 2 * topk]
+        bits = words[missing, 1 + 2 * topk :]
+        found = _injective_moduli(indices)
+        moduli[missing] = found
+        coeffs[missing] = _newton_coefficients(indices % found.unsqueeze(1), bits % PRIME)
+    return _pack(moduli, coeffs)
+
+
 def interpolate(indices: torch.Tensor, value_bits: torch.Tensor) -> list[bytes]:
     """Serialised toploc proofs for rows of top-k flat indices and their bf16 bit patterns.
 
