@@ -216,16 +216,22 @@ def _index_tensor(index: list[int], device: torch.device) -> torch.Tensor:
 
 _store = RowStore()
 _device: Optional[torch.device] = None
+_device_known = False
 _streams: dict[torch.device, Any] = {}
 _provers: dict[torch.device, DeviceProver] = {}
 
 
 def _selection_device() -> Optional[torch.device]:
     """The accelerator the scheduler runs on (top-k selection runs there), None on a CPU server.
-    Read in the scheduler thread, which sglang binds to its device."""
-    global _device
-    if _device is None and torch.cuda.is_available() and _server_device() not in ("cpu", None):
-        _device = torch.device("cuda", torch.cuda.current_device())
+    Decided once, in the scheduler thread, which sglang binds to its device (this is asked
+    several times a step)."""
+    global _device, _device_known
+    if not _device_known:
+        cuda = torch.cuda.is_available()
+        server_device = _server_device() if cuda else "cpu"
+        if cuda and server_device not in ("cpu", None):
+            _device = torch.device("cuda", torch.cuda.current_device())
+        _device_known = server_device is not None  # None: no server args yet, ask again
     return _device
 
 
