@@ -90,8 +90,20 @@ def select_topk_ragged(chunks: Sequence[torch.Tensor], topk: int) -> tuple[torch
     flat = [chunk.reshape(-1).to(torch.bfloat16) for chunk in chunks]
     values = torch.nn.utils.rnn.pad_sequence(flat, batch_first=True)
     lengths = torch.tensor([f.numel() for f in flat], dtype=torch.int64).to(values.device, non_blocking=True)
+    return _ranked_bits_within(values, lengths, topk)
+
+
+@functools.lru_cache(maxsize=16)
+def _positions(elements: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(elements, device=device)
+
+
+def _ranked_bits_within(values: torch.Tensor, lengths: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_ranked_bits` of bf16 rows [B, N] whose first `lengths[b]` elements are real: the padding
+    after them is ranked below every real |x| (-1), so it is never picked from a row of at least
+    `topk` real elements."""
     magnitude = values.abs()
-    padding = torch.arange(values.shape[1], device=values.device).unsqueeze(0) >= lengths.unsqueeze(1)
+    padding = _positions(values.shape[1], values.device).unsqueeze(0) >= lengths.unsqueeze(1)
     magnitude.masked_fill_(padding, -1.0)
     return _ranked_bits(values, magnitude, topk)
 
@@ -113,17 +125,23 @@ def _injective_moduli(indices: torch.Tensor) -> torch.Tensor:
         wanted = block_sizes.pop(0) if block_sizes else _BLOCK
         size = min(wanted, top, max(1, _MAX_SEARCH_ELEMENTS // (open_rows.numel() * k)))
         candidates = torch.arange(top, top - size, -1, dtype=torch.int64, device=device)
-        residues = indices[open_rows].unsqueeze(1) % candidates.view(1, -1, 1)
-        ordered = residues.sort(dim=2).values
-        injective = (ordered[..., 1:] != ordered[..., :-1]).all(dim=2)
-        found = injective.any(dim=1)
-        first = injective.to(torch.int8).argmax(dim=1)
-        moduli[open_rows[found]] = candidates[first[found]]
+        found, chosen = _first_injective(indices[open_rows], candidates)
+        moduli[open_rows[found]] = chosen[found]
         open_rows = open_rows[~found]
         top -= size
     if open_rows.numel():
         raise ValueError("no injective modulus <= 65497 exists for these top-k indices")
     return moduli
+
+
+def _first_injective(indices: torch.Tensor, candidates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of `indices` [B, k]: whether some candidate modulus keeps the row's indices
+    pairwise distinct, and the first such candidate (in `candidates`' order; meaningless where
+    none does). Residues under every candidate are sorted at once: fixed shapes, no wait."""
+    residues = indices.unsqueeze(1) % candidates.view(1, -1, 1)
+    ordered = residues.sort(dim=2).values
+    injective = (ordered[..., 1:] != ordered[..., :-1]).all(dim=2)
+    return injective.any(dim=1), candidates[injective.to(torch.int8).argmax(dim=1)]
 
 
 def _newton_coefficients(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -267,11 +285,6 @@ all of them is proven on the host instead (`proofs_from_words`); with 128 indice
 a collision under one candidate takes two indices exactly m apart, so this is very rare."""
 
 
-@functools.lru_cache(maxsize=16)
-def _flat_positions(elements: int, device: torch.device) -> torch.Tensor:
-    return torch.arange(elements, device=device)
-
-
 def proof_words(chunks: torch.Tensor, rows: torch.Tensor, topk: int) -> torch.Tensor:
     """Proofs of padded chunks as int64 words, in a fixed sequence of tensor ops that never waits
     on the device (no data-dependent shapes), so one CUDA graph can replay it.
@@ -281,19 +294,10 @@ def proof_words(chunks: torch.Tensor, rows: torch.Tensor, topk: int) -> torch.Te
     [B, 1 + 3k]: the injective modulus (0 where none of the FIXED_CANDIDATES fits), the k
     coefficients, then the top-k indices and bf16 bit patterns that `proofs_from_words` needs
     for such a row."""
-    batch = chunks.shape[0]
-    flat = chunks.reshape(batch, -1).to(torch.bfloat16)
-    magnitude = flat.abs()
-    width = chunks.shape[-1]
-    padding = _flat_positions(flat.shape[1], flat.device).unsqueeze(0) >= (rows * width).unsqueeze(1)
-    magnitude.masked_fill_(padding, -1.0)
-    indices, bits = _ranked_bits(flat, magnitude, topk)
-    candidates = PRIME - _flat_positions(FIXED_CANDIDATES, flat.device)
-    residues = indices.unsqueeze(1) % candidates.view(1, -1, 1)
-    ordered = residues.sort(dim=2).values
-    injective = (ordered[..., 1:] != ordered[..., :-1]).all(dim=2)
-    first = injective.to(torch.int8).argmax(dim=1)
-    moduli = torch.where(injective.any(dim=1), candidates[first], 0)
+    flat = chunks.reshape(chunks.shape[0], -1).to(torch.bfloat16)
+    indices, bits = _ranked_bits_within(flat, rows * chunks.shape[-1], topk)
+    found, chosen = _first_injective(indices, PRIME - _positions(FIXED_CANDIDATES, flat.device))
+    moduli = torch.where(found, chosen, 0)
     usable = torch.where(moduli > 0, moduli, PRIME)
     coeffs = _lagrange_coefficients(indices % usable.unsqueeze(1), bits.to(torch.int64) % PRIME)
     return torch.cat([moduli.unsqueeze(1), coeffs, indices, bits.to(torch.int64)], dim=1)
