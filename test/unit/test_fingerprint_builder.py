@@ -18,7 +18,7 @@ import torch
 
 from sglang_rl.adapters import toploc as adapter
 from sglang_rl.adapters import transport
-from sglang_rl.fingerprint import FingerprintError, decode_fingerprint
+from sglang_rl.fingerprint import FingerprintError, build_chunk_proofs, decode_fingerprint
 from sglang_rl.fingerprint.device_prover import DeviceProver
 
 TOPK = 16
@@ -62,7 +62,7 @@ def fingerprint_of(builder, n_rows: int) -> list[bytes]:
     last = None
     if tail is not None:
         slot, rows = tail
-        last = adapter._prove([adapter._store.data[slot, :rows].cpu()], TOPK)[0]
+        last = build_chunk_proofs([adapter._store.data[slot, :rows].cpu()], TOPK)[0]
     fp = decode_fingerprint(builder.finish(last), expected_topk=TOPK)
     assert fp.n_rows == n_rows
     return list(fp.proofs)

@@ -37,7 +37,7 @@ from sglang_rl.fingerprint import (
     encode_fingerprint,
     verify_rows,
 )
-from sglang_rl.fingerprint.device_prover import DeviceProver, LaunchedProofs
+from sglang_rl.fingerprint.device_prover import DeviceProver, LaunchedProofs, device_index
 from sglang_rl.fingerprint.calibration import UNCALIBRATED, ThresholdPolicy, cached_policy
 from sglang_rl.request_options import RESPONSE_START_KEY
 
@@ -197,7 +197,7 @@ class RowStore:
             flat = self.data.view(-1, self.data.shape[-1])
             if flat.shape[-1] % 2 == 0:
                 flat, rows = flat.view(torch.int32), rows.contiguous().view(torch.int32)
-            flat.index_copy_(0, _index_tensor(index, device), rows)
+            flat.index_copy_(0, device_index(index, device), rows)
 
 
 def _pick(rows: torch.Tensor, picks: list[int] | range) -> torch.Tensor:
@@ -205,13 +205,7 @@ def _pick(rows: torch.Tensor, picks: list[int] | range) -> torch.Tensor:
     decoding), else one gather (on the rows' device)."""
     if picks and picks[-1] - picks[0] == len(picks) - 1:
         return rows[picks[0] : picks[-1] + 1]
-    return rows.index_select(0, _index_tensor(picks, rows.device))
-
-
-def _index_tensor(index: list[int], device: torch.device) -> torch.Tensor:
-    if device.type == "cpu":
-        return torch.tensor(index, dtype=torch.long)
-    return torch.tensor(index, dtype=torch.long, pin_memory=True).to(device, non_blocking=True)
+    return rows.index_select(0, device_index(picks, rows.device))
 
 
 _store = RowStore()
@@ -268,11 +262,6 @@ def _on_proof_stream() -> Any:
     if prover is None or prover.stream is None:
         return contextlib.nullcontext()
     return prover.on_stream()
-
-
-def _prove(chunks: torch.Tensor | list[torch.Tensor], topk: int) -> list[bytes]:
-    """toploc proofs of host chunks (a CPU server's proof thread)."""
-    return build_chunk_proofs(chunks, topk)
 
 
 class _Chunk:
@@ -466,18 +455,13 @@ def _start(future: Future, parts: list[tuple[int, int]], topk: int,
             return
         future.attach(launched, finish)
         return
-    data = _store.data
-    full = all(rows == CHUNK_ROWS for _, rows in parts)
-    chunks: torch.Tensor | list[torch.Tensor] = (
-        data.index_select(0, torch.tensor([slot for slot, _ in parts], dtype=torch.long)) if full
-        else [data[slot, :rows] for slot, rows in parts]
-    )
+    chunks = [_store.data[slot, :rows] for slot, rows in parts]  # chunks of one size share a top-k
 
     def job() -> None:
         if not future.set_running_or_notify_cancel():
             return
         try:
-            future.set_result(finish(_prove(chunks, topk)))
+            future.set_result(finish(build_chunk_proofs(chunks, topk)))
         except BaseException as exc:  # noqa: BLE001 - the waiting requests report it
             future.set_exception(FingerprintError(f"proof job failed: {exc!r}"))
 

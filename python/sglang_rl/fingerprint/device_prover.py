@@ -29,6 +29,14 @@ BUCKETS = (8, 16, 32, 64)
 """Chunk counts with a graph of their own; a job is split into pieces of at most the largest."""
 
 
+def device_index(values: list, device: torch.device) -> torch.Tensor:
+    """An int64 tensor of `values` on `device`, copied there without the host waiting (from
+    page-locked memory, on the current stream)."""
+    if device.type == "cpu":
+        return torch.tensor(values, dtype=torch.long)
+    return torch.tensor(values, dtype=torch.long, pin_memory=True).to(device, non_blocking=True)
+
+
 class LaunchedProofs:
     """Proof words on their way to the host, ready once `event` has passed; or, from a CPU
     device, the proofs themselves (`built`)."""
@@ -85,7 +93,7 @@ class DeviceProver:
             built = build_chunk_proofs([store[slot, :count] for slot, count in zip(slots, rows)], topk)
             return LaunchedProofs([], topk, built=built)
         with self.on_stream():
-            plan = torch.tensor([slots, rows], dtype=torch.int64, pin_memory=True).to(self.device, non_blocking=True)
+            plan = device_index([slots, rows], self.device)
             pieces = []
             largest = BUCKETS[-1]
             for start in range(0, len(slots), largest):
