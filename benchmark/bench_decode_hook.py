@@ -1,11 +1,16 @@
 """The scheduler thread's own cost of TOPLOC per decode step: `decode_result_around` (the plugin's
 hook on process_batch_result_decode) for a batch of fingerprinted requests, on stand-in sglang
-objects with the step's rows already on the host, as sglang leaves them. No proof job runs (jobs
-are held back), so the table is the Python and the row copy that every step pays, the part that
+objects with the step's rows already on the host, as sglang leaves them. This is the part that
 the overlap scheduler cannot hide when it is bound by the host.
+
+On the CPU no proof job runs (jobs are held back), so the table is the Python and the row copy
+that every step pays. With `--device cuda` the store is on the GPU and the rows page-locked, as
+on a GPU server, and proof jobs are launched as there (every 16 steps or 64 chunks), so the
+table is the host time of the whole device path per step, launches included.
 
     python benchmark/bench_decode_hook.py                 # 64 requests, hidden 4096
     python benchmark/bench_decode_hook.py --hidden 1024   # the small EAGLE pair's width
+    python benchmark/bench_decode_hook.py --device cuda   # a GPU server's path
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from common import print_table  # noqa: E402
 ACCEPTED = (1, 3, 4, 4, 4)  # committed rows per request in a speculative step (mean ~3.4, as EAGLE's)
 
 
-def per_step_us(requests: int, hidden: int, spec: bool, steps: int, repeats: int) -> float:
+def per_step_us(requests: int, hidden: int, spec: bool, steps: int, repeats: int, device: str = "cpu") -> float:
     """Best of `repeats` mean times per step of the hook over `steps` steps."""
     from sglang_rl.adapters import scheduler
     from sglang_rl.adapters import toploc as adapter
@@ -32,13 +37,18 @@ def per_step_us(requests: int, hidden: int, spec: bool, steps: int, repeats: int
     args = SimpleNamespace(toploc_verification=True, return_hidden_states_mode=None, drafter_cotrain=False,
                            device="cuda", toploc_verification_topk=128)
     scheduler.get_server_args = lambda: args
+    on_gpu = device == "cuda"
+    adapter._device, adapter._device_known = (torch.device("cuda", torch.cuda.current_device()) if on_gpu
+                                              else None), True
     stride = 4 if spec else 1
     best = float("inf")
-    for _ in range(repeats + 1):  # the first pass warms up
-        adapter._pending = adapter.PendingProofs(max_chunks=10**9, max_steps=10**9)
+    for _ in range(repeats + 1):  # the first pass warms up (and captures the proof graphs)
+        adapter._pending = (adapter.PendingProofs() if on_gpu
+                            else adapter.PendingProofs(max_chunks=10**9, max_steps=10**9))
         adapter._store = adapter.RowStore()
-        adapter._store.data = torch.zeros(requests * (steps * stride // 32 + 2), 32, hidden, dtype=torch.bfloat16)
-        adapter._store._free = list(range(adapter._store.data.shape[0] - 1, -1, -1))
+        slots = requests * (steps * stride // 32 + 2)
+        adapter._store.data = torch.zeros(slots + 1, 32, hidden, dtype=torch.bfloat16, device=device)
+        adapter._store._free = list(range(slots - 1, -1, -1))
         reqs = []
         for i in range(requests):
             req = SimpleNamespace(origin_input_ids=[1] * 8, output_ids=[1] * 4, is_retracted=False, rid=str(i))
@@ -46,16 +56,22 @@ def per_step_us(requests: int, hidden: int, spec: bool, steps: int, repeats: int
             setattr(req, scheduler.STATE_ATTR, adapter.FingerprintBuilder(128))
             reqs.append(req)
         accepted = torch.tensor([ACCEPTED[i % len(ACCEPTED)] for i in range(requests)]) if spec else None
+        host_rows = torch.randn(requests * stride, hidden).to(torch.bfloat16)
         result = SimpleNamespace(copy_done=None, speculative_num_draft_tokens=stride if spec else None,
-                                 logits_output=SimpleNamespace(hidden_states=torch.randn(requests * stride, hidden)
-                                                               .to(torch.bfloat16)),
+                                 logits_output=SimpleNamespace(hidden_states=host_rows.pin_memory() if on_gpu
+                                                               else host_rows),
                                  accept_lens=accepted)
         batch = SimpleNamespace(reqs=reqs, return_hidden_states=True)
         processor = SimpleNamespace(server_args=args)
+        if on_gpu:
+            torch.cuda.synchronize()
         start = time.perf_counter()
         for _ in range(steps):
             scheduler.decode_result_around(lambda *a: None, processor, batch, result)
         best = min(best, (time.perf_counter() - start) / steps * 1e6)
+        if on_gpu:
+            adapter._pending.flush(128)
+            torch.cuda.synchronize()
     return best
 
 
@@ -65,12 +81,14 @@ def main() -> int:
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--steps", type=int, default=96)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the row store lives")
     args = p.parse_args()
     rows = [{"step": "plain decoding (1 row per request)" if not spec else "speculative (1..4 rows, mean 3.2)",
-             "us_per_step": round(per_step_us(args.requests, args.hidden, spec, args.steps, args.repeats), 1)}
+             "us_per_step": round(per_step_us(args.requests, args.hidden, spec, args.steps, args.repeats,
+                                              args.device), 1)}
             for spec in (False, True)]
     print(f"decode hook per step: {args.requests} fingerprinted requests, hidden {args.hidden}, "
-          f"best of {args.repeats} passes of {args.steps} steps")
+          f"store on {args.device}, best of {args.repeats} passes of {args.steps} steps")
     print_table(rows, ["step", "us_per_step"])
     return 0
 

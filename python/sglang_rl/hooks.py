@@ -98,6 +98,10 @@ def hook_table() -> list[Hook]:
              ".process_batch_result_decode", A, scheduler.decode_result_around,
              "route each decode step's rows (a speculative step's accepted run) to fingerprint "
              "builders and hidden-state requests"),
+        Hook(f"{SRT}.speculative.eagle_worker_v2.EAGLEWorkerV2.forward_batch_generation", A,
+             speculative.prefill_rows_around,
+             "an EAGLE prefill's prompt rows (all captured for the draft) are cut to each request's "
+             "last row when no request wants more, so sglang copies [requests, H] to the host"),
         Hook(f"{SRT}.speculative.eagle_utils.eagle_sample", A, speculative.ngram_sample_around,
              "an NGRAM verify step's accepted rows move to the front of each request's block, "
              "where EAGLE's worker puts them"),

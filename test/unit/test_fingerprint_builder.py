@@ -31,15 +31,28 @@ def toploc_proofs(rows: torch.Tensor) -> list[bytes]:
                                      skip_prefill=True)
 
 
+STRIDE = 5  # rows per request in a speculative step's block (its draft tokens)
+
+
 def feed(builders: list, runs: list[list[int]], rows: list[torch.Tensor]) -> None:
-    """Feed builder i its runs[i] (row counts per step) from rows[i], all builders per step."""
+    """Feed builder i its runs[i] (row counts per step) from rows[i], all builders per step.
+    Odd steps pack the runs one after another; even steps lay them out as a speculative step
+    does, each request's run at the front of its block of STRIDE rows, the rest of the block
+    rows that no fingerprint may take (random, and huge so a leak would change every proof)."""
     steps = max(len(r) for r in runs)
     taken = [0] * len(builders)
     for step in range(steps):
         active = [i for i in range(len(builders)) if step < len(runs[i])]
         counts = [runs[i][step] for i in active]
-        block = torch.cat([rows[i][taken[i] : taken[i] + c] for i, c in zip(active, counts)])
-        adapter.add_builder_rows([builders[i] for i in active], block, TOPK, counts)
+        own = [rows[i][taken[i] : taken[i] + c] for i, c in zip(active, counts)]
+        if step % 2:
+            adapter.add_builder_rows([builders[i] for i in active], torch.cat(own), TOPK, counts)
+        else:
+            block = 1e4 * torch.randn(len(active) * STRIDE, HIDDEN)
+            for n, run in enumerate(own):
+                block[n * STRIDE : n * STRIDE + len(run)] = run
+            starts = [n * STRIDE for n in range(len(active))]
+            adapter.add_builder_rows([builders[i] for i in active], block, TOPK, counts, starts)
         for i, c in zip(active, counts):
             taken[i] += c
 
@@ -304,4 +317,4 @@ def test_random_traffic_gives_toploc_proofs_and_returns_every_slot(
     for future in list(store._lent):
         future.result(timeout=30)
     store.acquire(HIDDEN)
-    assert len(store._free) + 1 == store.data.shape[0] and not adapter._pending.queue
+    assert len(store._free) + 1 == store.capacity and not adapter._pending.queue

@@ -1,12 +1,16 @@
-"""The speculative-decoding pieces of hidden-state delivery: which algorithms are refused, and the
-move of each request's accepted rows to the front of its block (NGRAM's draft trees)."""
+"""The speculative-decoding pieces of hidden-state delivery: which algorithms are refused, the
+move of each request's accepted rows to the front of its block (NGRAM's draft trees), and the cut
+of an EAGLE prefill's rows to each request's last row when no request wants more."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
 
-from sglang_rl.adapters.speculative import accepted_rows_to_front, check_rows_supported
+from sglang_rl.adapters.speculative import accepted_rows_to_front, check_rows_supported, prefill_rows_around
 from sglang_rl.request_options import RequestOptionError
 
 
@@ -45,3 +49,35 @@ def test_accepted_rows_move_to_the_front_of_their_block() -> None:
                 expect[i * block + j] = rows[int(accept[i, j])]
     assert torch.equal(out, expect)
     assert not torch.equal(out, rows)  # some request did take a side branch
+
+
+def _prefill(lengths: list[int], mode: CaptureHiddenMode, user_rows: object = False, wanted: bool = True):
+    """An EAGLE prefill's batch and the worker's result: every prompt row captured (FULL)."""
+    rows = torch.randn(sum(lengths), 8, generator=torch.Generator().manual_seed(len(lengths)))
+    batch = SimpleNamespace(
+        forward_mode=ForwardMode.EXTEND, extend_lens=lengths, return_hidden_states=wanted,
+        return_hidden_states_mode=mode,
+        reqs=[SimpleNamespace(return_hidden_states=user_rows if i == 0 else False) for i in range(len(lengths))])
+    result = SimpleNamespace(logits_output=SimpleNamespace(hidden_states=rows))
+    return batch, result, rows
+
+
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_an_eagle_prefill_keeps_each_requests_last_row_when_no_request_wants_more(as_tensor: bool) -> None:
+    lengths = [5, 1, 9, 3]
+    batch, result, rows = _prefill(lengths, CaptureHiddenMode.LAST)
+    if as_tensor:
+        batch.extend_lens = torch.tensor(lengths)
+    out = prefill_rows_around(lambda worker, b: result, None, batch)
+    assert out is result
+    assert torch.equal(result.logits_output.hidden_states, rows[[4, 5, 14, 17]])
+
+
+@pytest.mark.parametrize("case", ["a request wants every prompt row", "sglang returns a request's rows",
+                                  "no request wants rows"])
+def test_an_eagle_prefill_keeps_every_row_when_a_request_needs_them(case: str) -> None:
+    mode = CaptureHiddenMode.FULL if case == "a request wants every prompt row" else CaptureHiddenMode.LAST
+    user_rows = "last" if case == "sglang returns a request's rows" else False
+    batch, result, rows = _prefill([5, 1, 9], mode, user_rows, wanted=case != "no request wants rows")
+    prefill_rows_around(lambda worker, b: result, None, batch)
+    assert result.logits_output.hidden_states is rows

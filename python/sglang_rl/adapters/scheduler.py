@@ -196,7 +196,7 @@ def prefill_result_around(original: Callable, processor: Any, batch: Any, result
                 builders.append(state)
                 last_rows.append(hi - 1)
         if builders:
-            toploc.add_builder_rows(builders, hidden, _topk(), picks=last_rows)
+            toploc.add_builder_rows(builders, hidden, _topk(), starts=last_rows)
     return original(processor, batch, result)
 
 
@@ -210,7 +210,7 @@ def decode_result_around(original: Callable, processor: Any, batch: Any, result:
     if hidden is not None:
         stride = result.speculative_num_draft_tokens or 1
         accepted = result.accept_lens.tolist() if result.accept_lens is not None else None
-        builders, rows, counts = [], [], []
+        builders, starts, counts = [], [], []
         collectors = []
         # row collectors exist only on servers with hidden states or co-training; a TOPLOC-only
         # server skips looking for them (this loop runs for every request at every step)
@@ -230,10 +230,10 @@ def decode_result_around(original: Callable, processor: Any, batch: Any, result:
                 # returned: its row must not enter the fingerprint, which covers output_ids only
                 if not (req.finished() or req.is_retracted or _in_final_row_step(collector)):
                     builders.append(state)
-                    rows.extend(range(i * stride, i * stride + count))
+                    starts.append(i * stride)
                     counts.append(count)
         if builders:
-            toploc.add_builder_rows(builders, hidden, _topk(), counts, picks=rows)
+            toploc.add_builder_rows(builders, hidden, _topk(), counts, starts)
         if collectors:
             hidden_states.add_decode_rows(collectors, _private_host_rows(hidden, processor))
     return original(processor, batch, result)

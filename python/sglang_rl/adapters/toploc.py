@@ -18,6 +18,7 @@ n response tokens - are checked against the proofs with toploc's verifier.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Optional
@@ -131,12 +132,19 @@ class RowStore:
     scheduler step writes every request's rows with one indexed copy. On a GPU server it lives on
     the GPU (rows are written there on the proof stream and proven there); on a CPU server on the
     host. A full chunk is not copied out: its slot is lent to the proof job (and kept for a
-    speculative cut at finish) while the builder goes on in a fresh slot."""
+    speculative cut at finish) while the builder goes on in a fresh slot. The last slot is never
+    handed out: a step's rows that no builder takes are written there (`write`), so a GPU step
+    scatters all its rows in one copy instead of first gathering those it keeps."""
 
     def __init__(self) -> None:
         self.data: Optional[torch.Tensor] = None
         self._free: list[int] = []
         self._lent: dict[Future, list[int]] = {}  # slots a proof job still reads, by job
+
+    @property
+    def capacity(self) -> int:
+        """Slots that can be handed out (all but the discard slot)."""
+        return 0 if self.data is None else self.data.shape[0] - 1
 
     def acquire(self, hidden_size: int) -> int:
         if self._lent:  # few jobs, many slots: look at each job once
@@ -146,19 +154,20 @@ class RowStore:
             self.data = self._allocate(64, hidden_size)
             self._free = list(range(63, -1, -1))
         if not self._free:
-            old = self.data.shape[0]
+            old = self.capacity
             grown = self._allocate(2 * old, hidden_size)
             with _on_proof_stream():
-                grown[:old].copy_(self.data)
+                grown[:old].copy_(self.data[:old])
             self.data = grown  # a proof job still reading the old tensor keeps it alive
             self._free = list(range(2 * old - 1, old - 1, -1))
         return self._free.pop()
 
     @staticmethod
     def _allocate(slots: int, hidden_size: int) -> torch.Tensor:
+        """`slots` slots to hand out and the discard slot after them."""
         prover = _prover()
         with _on_proof_stream():  # allocated on the stream every later use is ordered on
-            return torch.empty(slots, CHUNK_ROWS, hidden_size, dtype=torch.bfloat16,
+            return torch.empty(slots + 1, CHUNK_ROWS, hidden_size, dtype=torch.bfloat16,
                                device=prover.device if prover is not None else "cpu")
 
     def release(self, slot: int, reader: Optional[Future] = None) -> None:
@@ -178,29 +187,38 @@ class RowStore:
             del self._lent[reader]
         self._lent.setdefault(new_reader, []).append(slot)
 
-    def write(self, index: list[int], rows: torch.Tensor, picks: Optional[list[int] | range] = None) -> None:
-        """rows[picks[i]] (rows[i] without picks) -> flat row index[i] (slot * 32 + row in chunk),
-        as one index_copy_. Host rows bound for a device store cross in one copy, on the proof
-        stream, all of them when most are picked (a page-locked batch copy is asynchronous),
-        else only the picked ones. An even hidden size is copied as int32 words, two bf16 each:
-        the same bits, and on the CPU about twice as fast as bf16 elements."""
+    def write(self, runs: list[tuple[int, int, int]], rows: torch.Tensor) -> None:
+        """Store the step's rows: each run (start, first, count) puts rows[start : start + count]
+        at flat rows first.. (slot * 32 + row in chunk). When most rows are kept (a decode step)
+        all of them go in one scatter, those no run takes to the discard slot: for a device store
+        that is one asynchronous copy of the page-locked batch and one kernel. Else (a prefill's
+        last rows) the kept rows are gathered first. An even hidden size is copied as int32
+        words, two bf16 each: the same bits, and on the CPU twice as fast as bf16."""
         device = self.data.device
+        kept = sum(count for _, _, count in runs)
         with _on_proof_stream():
-            if picks is not None and (device.type == "cpu" or 2 * len(picks) < rows.shape[0]):
-                rows, picks = _pick(rows, picks), None
+            if 2 * kept >= rows.shape[0]:
+                discard = (self.data.shape[0] - 1) * CHUNK_ROWS
+                index = [discard] * rows.shape[0]
+                for start, first, count in runs:
+                    index[start : start + count] = range(first, first + count)
+            else:
+                picks, index = [], []
+                for start, first, count in runs:
+                    picks.extend(range(start, start + count))
+                    index.extend(range(first, first + count))
+                rows = _pick(rows, picks)
             if rows.device != device:
                 rows = rows.to(device, non_blocking=True)
             if rows.dtype != torch.bfloat16:
                 rows = rows.to(torch.bfloat16)
-            if picks is not None:
-                rows = _pick(rows, picks)
             flat = self.data.view(-1, self.data.shape[-1])
             if flat.shape[-1] % 2 == 0:
                 flat, rows = flat.view(torch.int32), rows.contiguous().view(torch.int32)
             flat.index_copy_(0, device_index(index, device), rows)
 
 
-def _pick(rows: torch.Tensor, picks: list[int] | range) -> torch.Tensor:
+def _pick(rows: torch.Tensor, picks: list[int]) -> torch.Tensor:
     """rows[picks] for ascending `picks`: a view for a run of rows (all rows, say, in plain
     decoding), else one gather (on the rows' device)."""
     if picks and picks[-1] - picks[0] == len(picks) - 1:
@@ -496,31 +514,32 @@ def prove_queued(builders: list[FingerprintBuilder], tails: Optional[list[tuple[
 
 
 def add_builder_rows(builders: list[FingerprintBuilder], rows: torch.Tensor, topk: int,
-                     counts: Optional[list[int]] = None, picks: Optional[list[int] | range] = None) -> None:
-    """Append rows to builders: the step's rows (`rows[picks]`, all of `rows` without picks:
-    [sum(counts), H] on the host) hold each builder's run of `counts[i]` rows in turn (one row
-    each when counts is None; a speculative step commits a run). The whole step is one indexed
+                     counts: Optional[list[int]] = None, starts: Optional[list[int]] = None) -> None:
+    """Append rows to builders: builder i takes the run rows[starts[i] : starts[i] + counts[i]]
+    of the step's rows [N, H] (one row each when counts is None; a speculative step commits a
+    run; runs follow each other from row 0 when starts is None). The whole step is one indexed
     write; chunks filled in it join the pending proof job (`PendingProofs`), which reads their
     rows from the store itself (the scheduler copies nothing)."""
     if not builders:
         return
     counts = counts or [1] * len(builders)
+    if starts is None:
+        starts = [0, *itertools.accumulate(counts[:-1])]
     hidden = rows.shape[-1]
-    index: list[int] = []
-    for b, count in zip(builders, counts):
+    runs: list[tuple[int, int, int]] = []
+    for b, start, count in zip(builders, starts, counts):
         if b.slot is None:
             b.slot = _store.acquire(hidden)
-        left = count
-        while left:
-            take = min(left, CHUNK_ROWS - b.fill)
-            first = b.slot * CHUNK_ROWS + b.fill
-            index.extend(range(first, first + take))
+        b.rows_seen += count
+        while count:
+            take = min(count, CHUNK_ROWS - b.fill)
+            runs.append((start, b.slot * CHUNK_ROWS + b.fill, take))
+            start += take
+            count -= take
             b.fill += take
-            left -= take
             if b.fill == CHUNK_ROWS:
                 _pending.add(b.chunk_filled(hidden))  # queued at once: its slot is lent from here on
-        b.rows_seen += count
-    _store.write(index, rows, picks)
+    _store.write(runs, rows)
     _pending.step(topk)
 
 

@@ -59,6 +59,25 @@ class LaunchedProofs:
         return [p for words in self._words for p in proofs_from_words(words, self._topk)]
 
 
+class _OnStream:
+    """Makes `stream` current (switching to its device if need be) and puts back the stream that
+    was current: a lighter stand-in for `torch.cuda.device` + `torch.cuda.stream` in an
+    ExitStack, which the scheduler thread would enter a few times per step."""
+
+    __slots__ = ("stream", "previous")
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.previous: Any = None
+
+    def __enter__(self) -> None:
+        self.previous = torch.cuda.current_stream()
+        torch.cuda.set_stream(self.stream)
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.cuda.set_stream(self.previous)
+
+
 class _Graph:
     """One bucket's captured `proof_words`: static chunk and row-count inputs, static words out."""
 
@@ -77,13 +96,10 @@ class DeviceProver:
         self._pool: Any = None
 
     def on_stream(self) -> Any:
-        """The context for every use of the store: this device and this stream."""
+        """The context for every use of the store: this stream (and its device)."""
         if self.device.type != "cuda":
             return contextlib.nullcontext()
-        stack = contextlib.ExitStack()
-        stack.enter_context(torch.cuda.device(self.device))
-        stack.enter_context(torch.cuda.stream(self.stream))
-        return stack
+        return _OnStream(self.stream)
 
     def launch(self, store: torch.Tensor, slots: list[int], rows: list[int], topk: int) -> LaunchedProofs:
         """Start the proofs of chunk `slots[i]` of `store`, its first `rows[i]` rows each. The
