@@ -151,15 +151,9 @@ def _server_collects_rows(args: Any) -> bool:
 
 
 def _take(hidden: torch.Tensor, index: list[int] | range) -> torch.Tensor:
-    """Rows of the batch at the given indices, on the CPU (one gather, one host copy)."""
-    if isinstance(index, range):
-        return hidden[index.start:index.stop].to("cpu")  # a run of rows: a view on the host
-    if index == list(range(hidden.shape[0])):
-        return hidden.to("cpu")
-    idx = torch.tensor(index, dtype=torch.long)
-    if hidden.device.type != "cpu":
-        idx = idx.to(hidden.device)
-    return hidden.index_select(0, idx).to("cpu")
+    """Rows of the batch at the given ascending indices, on the CPU (a view or one gather, then
+    one host copy)."""
+    return toploc.pick_rows(hidden, index).to("cpu")
 
 
 def prefill_result_around(original: Callable, processor: Any, batch: Any, result: Any) -> Any:

@@ -13,7 +13,6 @@ Fingerprints (TOPLOC) take the same runs. Other algorithms are refused: for hidd
 
 from __future__ import annotations
 
-import itertools
 from typing import Any, Callable, Optional
 
 import torch
@@ -80,13 +79,12 @@ def ngram_sample_around(original: Callable, verify_input: Any, batch: Any, logit
 
 def last_rows_of_runs(rows: torch.Tensor, lengths: list[int] | torch.Tensor) -> torch.Tensor:
     """The last row of each run of `rows` [sum(lengths), H] (run i has lengths[i] rows), in a new
-    tensor on the rows' device: what a LAST capture of the same extend would hold. Lengths on the
-    device are summed there (no wait for the host)."""
-    if isinstance(lengths, torch.Tensor):
-        ends = torch.cumsum(lengths.to(rows.device, torch.long), 0) - 1
-        return rows.index_select(0, ends.clamp_(0, rows.shape[0] - 1))
-    ends = [end - 1 for end in itertools.accumulate(lengths)]
-    return rows.index_select(0, device_index(ends, rows.device))
+    tensor on the rows' device: what a LAST capture of the same extend would hold. The run ends
+    are summed on the rows' device (no wait for the host when the lengths are already there)."""
+    if not isinstance(lengths, torch.Tensor):
+        lengths = device_index(lengths, rows.device)
+    ends = torch.cumsum(lengths.to(rows.device, torch.long), 0) - 1
+    return rows.index_select(0, ends.clamp_(0, rows.shape[0] - 1))
 
 
 def prefill_rows_around(original: Callable, worker: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:

@@ -207,7 +207,7 @@ class RowStore:
                 for start, first, count in runs:
                     picks.extend(range(start, start + count))
                     index.extend(range(first, first + count))
-                rows = _pick(rows, picks)
+                rows = pick_rows(rows, picks)
             if rows.device != device:
                 rows = rows.to(device, non_blocking=True)
             if rows.dtype != torch.bfloat16:
@@ -218,7 +218,7 @@ class RowStore:
             flat.index_copy_(0, device_index(index, device), rows)
 
 
-def _pick(rows: torch.Tensor, picks: list[int]) -> torch.Tensor:
+def pick_rows(rows: torch.Tensor, picks: list[int] | range) -> torch.Tensor:
     """rows[picks] for ascending `picks`: a view for a run of rows (all rows, say, in plain
     decoding), else one gather (on the rows' device)."""
     if picks and picks[-1] - picks[0] == len(picks) - 1:
@@ -229,7 +229,6 @@ def _pick(rows: torch.Tensor, picks: list[int]) -> torch.Tensor:
 _store = RowStore()
 _device: Optional[torch.device] = None
 _device_known = False
-_streams: dict[torch.device, Any] = {}
 _provers: dict[torch.device, DeviceProver] = {}
 
 
@@ -249,13 +248,14 @@ def _selection_device() -> Optional[torch.device]:
 
 def _prover() -> Optional[DeviceProver]:
     """The prover of a GPU server's row store, None on a CPU server (its proofs are built in the
-    proof thread, in numpy)."""
+    proof thread, in numpy). It runs on a side stream of its own, so proofs never wait for the
+    forward."""
     device = _selection_device()
     if device is None:
         return None
     prover = _provers.get(device)
     if prover is None:
-        prover = _provers[device] = DeviceProver(device, _proof_stream(device))
+        prover = _provers[device] = DeviceProver(device, torch.cuda.Stream(device=device))
     return prover
 
 
@@ -266,20 +266,10 @@ def _server_device() -> Optional[str]:
         return None
 
 
-def _proof_stream(device: torch.device) -> Any:
-    """The side stream proof jobs run on (they never wait for the forward)."""
-    stream = _streams.get(device)
-    if stream is None:
-        stream = _streams[device] = torch.cuda.Stream(device=device)
-    return stream
-
-
 def _on_proof_stream() -> Any:
     """The context in which a GPU server touches the row store: its prover's side stream."""
     prover = _prover()
-    if prover is None or prover.stream is None:
-        return contextlib.nullcontext()
-    return prover.on_stream()
+    return contextlib.nullcontext() if prover is None else prover.on_stream()
 
 
 class _Chunk:
