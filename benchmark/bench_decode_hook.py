@@ -4,9 +4,10 @@ objects with the step's rows already on the host, as sglang leaves them. This is
 the overlap scheduler cannot hide when it is bound by the host.
 
 On the CPU no proof job runs (jobs are held back), so the table is the Python and the row copy
-that every step pays. With `--device cuda` the store is on the GPU and the rows page-locked, as
-on a GPU server, and proof jobs are launched as there (every 16 steps or 64 chunks), so the
-table is the host time of the whole device path per step, launches included.
+that every step pays. With `--device cuda` the store and the step's rows are on the GPU, as on a
+GPU server that fingerprints (`copy_to_cpu_around` keeps the rows there), writes are staged as
+there, and proof jobs are launched as there (every 16 steps or 64 chunks), so the table is the
+host time of the whole device path per step, launches included.
 
     python benchmark/bench_decode_hook.py                 # 64 requests, hidden 4096
     python benchmark/bench_decode_hook.py --hidden 1024   # the small EAGLE pair's width
@@ -58,8 +59,7 @@ def per_step_us(requests: int, hidden: int, spec: bool, steps: int, repeats: int
         accepted = torch.tensor([ACCEPTED[i % len(ACCEPTED)] for i in range(requests)]) if spec else None
         host_rows = torch.randn(requests * stride, hidden).to(torch.bfloat16)
         result = SimpleNamespace(copy_done=None, speculative_num_draft_tokens=stride if spec else None,
-                                 logits_output=SimpleNamespace(hidden_states=host_rows.pin_memory() if on_gpu
-                                                               else host_rows),
+                                 logits_output=SimpleNamespace(hidden_states=host_rows.to(device)),
                                  accept_lens=accepted)
         batch = SimpleNamespace(reqs=reqs, return_hidden_states=True)
         processor = SimpleNamespace(server_args=args)

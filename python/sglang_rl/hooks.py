@@ -98,6 +98,10 @@ def hook_table() -> list[Hook]:
              ".process_batch_result_decode", A, scheduler.decode_result_around,
              "route each decode step's rows (a speculative step's accepted run) to fingerprint "
              "builders and hidden-state requests"),
+        Hook(f"{SRT}.managers.utils.GenerationBatchResult.copy_to_cpu", A,
+             scheduler.copy_to_cpu_around,
+             "a GPU server whose rows feed only fingerprints keeps each step's rows on the device "
+             "(the row store is there) instead of copying them to the host and back"),
         Hook(f"{SRT}.speculative.eagle_worker_v2.EAGLEWorkerV2.forward_batch_generation", A,
              speculative.prefill_rows_around,
              "an EAGLE prefill's prompt rows (all captured for the draft) are cut to each request's "

@@ -57,15 +57,18 @@ def feed(builders: list, runs: list[list[int]], rows: list[torch.Tensor]) -> Non
             taken[i] += c
 
 
-@pytest.fixture(params=["proof thread", "device launches"])
+@pytest.fixture(params=["proof thread", "device launches", "device launches, staged writes"])
 def proof_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Both ways proofs are built: a CPU server's proof thread, and a GPU server's launches from
     the scheduler thread over a store on the device (here the CPU is that device: the same
-    bookkeeping, with each launch computed at once)."""
-    if request.param == "device launches":
+    bookkeeping, with each launch computed at once), also with a GPU store's staged writes
+    (decode steps written three at a time)."""
+    if request.param.startswith("device launches"):
         prover = DeviceProver(torch.device("cpu"))
         monkeypatch.setattr(adapter, "_prover", lambda: prover)
     monkeypatch.setattr(adapter, "_store", adapter.RowStore())
+    if request.param.endswith("staged writes"):
+        adapter._store.staged_steps = 3
     monkeypatch.setattr(adapter, "_pending", adapter.PendingProofs())
     return request.param
 
@@ -136,9 +139,12 @@ def test_a_full_chunk_slot_is_not_reused_while_its_proof_job_may_read_it() -> No
     assert store.acquire(HIDDEN) == first  # the job finished: the slot is back
 
 
-def test_builders_of_many_requests_with_slots_lent_and_returned_match_toploc(proof_path: str) -> None:
+def test_builders_of_many_requests_with_slots_lent_and_returned_match_toploc(
+        monkeypatch: pytest.MonkeyPatch, proof_path: str) -> None:
     """More chunks than the store's first 64 slots, across builders that fill at different steps:
-    every fingerprint still equals toploc's (a slot reused too early would corrupt a proof)."""
+    every fingerprint still equals toploc's (a slot reused too early would corrupt a proof). The
+    store grows while steps are staged: their rows keep their targets in the grown store."""
+    _refuse_double_targets(monkeypatch)
     gen = torch.Generator().manual_seed(3)
     lengths = [97, 130, 64, 33, 200, 31] * 12
     rows = [torch.randn(n, HIDDEN, generator=gen) for n in lengths]
@@ -146,6 +152,35 @@ def test_builders_of_many_requests_with_slots_lent_and_returned_match_toploc(pro
     feed(builders, [[1] * n for n in lengths], rows)
     for builder, n, r in zip(builders, lengths, rows):
         assert fingerprint_of(builder, n) == toploc_proofs(r)
+
+
+def test_the_store_grows_under_staged_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """40 requests write two steps (one kept row in each block of two), which a GPU store holds
+    staged, then 40 more join and the store grows: the staged rows still reach their own slots,
+    and their unkept rows reach no slot that the grown store hands out."""
+    monkeypatch.setattr(adapter, "_store", adapter.RowStore())
+    monkeypatch.setattr(adapter, "_pending", adapter.PendingProofs())
+    adapter._store.staged_steps = 3
+    _refuse_double_targets(monkeypatch)
+    gen = torch.Generator().manual_seed(4)
+    rows = [torch.randn(3, HIDDEN, generator=gen) for _ in range(80)]
+
+    def step(builders: list, own: list[torch.Tensor]) -> None:
+        block = 1e4 * torch.randn(2 * len(own), HIDDEN, generator=gen)
+        block[0::2] = torch.stack(own)
+        adapter.add_builder_rows(builders, block, TOPK, [1] * len(own), list(range(0, len(block), 2)))
+
+    first = [adapter.FingerprintBuilder(TOPK) for _ in range(40)]
+    for i in range(2):
+        step(first, [r[i] for r in rows[:40]])
+    assert adapter._store.capacity == 64 and len(adapter._store._staged) == 2
+    later = [adapter.FingerprintBuilder(TOPK) for _ in range(40)]
+    step(first + later, [r[2] for r in rows[:40]] + [r[0] for r in rows[40:]])
+    assert adapter._store.capacity == 128
+    for builder, r in zip(first, rows):
+        assert fingerprint_of(builder, 3) == toploc_proofs(r)
+    for builder, r in zip(later, rows[40:]):
+        assert fingerprint_of(builder, 1) == toploc_proofs(r[:1])
 
 
 def test_a_job_starts_when_old_enough(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -270,6 +305,21 @@ def test_a_full_job_starts_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
         assert fingerprint_of(builder, 32) == toploc_proofs(r)
 
 
+def _refuse_double_targets(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail any store write that names a row twice (the discard slot aside): a GPU scatter keeps
+    either value of a doubled target, so staged steps must never hold an aborted request's rows
+    for a slot that has a new owner; on the CPU the later value happens to win."""
+    copy = adapter.RowStore._copy
+
+    def checked(store, parts, index, picks=None):
+        discard = (store.data.shape[0] - 1) * adapter.CHUNK_ROWS
+        kept = [i for i in index if i < discard]
+        assert len(kept) == len(set(kept)), "a store write names a row twice"
+        return copy(store, parts, index, picks)
+
+    monkeypatch.setattr(adapter.RowStore, "_copy", checked)
+
+
 @pytest.mark.parametrize("max_steps", [1, 16])
 def test_random_traffic_gives_toploc_proofs_and_returns_every_slot(
     monkeypatch: pytest.MonkeyPatch, max_steps: int, proof_path: str,
@@ -280,6 +330,7 @@ def test_random_traffic_gives_toploc_proofs_and_returns_every_slot(
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
     monkeypatch.setattr(adapter, "_pending", adapter.PendingProofs(max_steps=max_steps))
+    _refuse_double_targets(monkeypatch)
     rng = random.Random(max_steps)
     gen = torch.Generator().manual_seed(max_steps)
     live: list[dict] = []
@@ -316,5 +367,5 @@ def test_random_traffic_gives_toploc_proofs_and_returns_every_slot(
     store = adapter._store
     for future in list(store._lent):
         future.result(timeout=30)
-    store.acquire(HIDDEN)
-    assert len(store._free) + 1 == store.capacity and not adapter._pending.queue
+    store.reclaim()
+    assert len(store._free) == store.capacity and not adapter._pending.queue

@@ -18,6 +18,7 @@ from sglang_rl.fingerprint import (
     Fingerprint,
     FingerprintError,
     decode_fingerprint,
+    encode_built_proofs,
     encode_fingerprint,
 )
 from sglang_rl.fingerprint.codec import build_fingerprint
@@ -135,6 +136,21 @@ def test_constructor_validates() -> None:
         Fingerprint(topk=4, chunk_size=2, n_rows=2, proofs=(make_proof(4, 0),))
     fp = Fingerprint(topk=4, chunk_size=2, n_rows=2, proofs=[good])  # type: ignore[arg-type]
     assert fp.proofs == (good,)
+
+
+def test_built_proofs_encode_as_the_container_and_keep_the_layout_checks() -> None:
+    """A server's own proofs skip the per-proof re-read, not the layout: the string is the
+    container's, and a wrong count or size still fails."""
+    proofs = (make_proof(4, 65497, 1), make_proof(4, 300, 65496))
+    text = encode_built_proofs(4, 2, 3, proofs)
+    assert text == encode_fingerprint(Fingerprint(topk=4, chunk_size=2, n_rows=3, proofs=proofs))
+    assert decode_fingerprint(text).proofs == proofs
+    with pytest.raises(FingerprintError, match="need 2 proofs, got 1"):
+        encode_built_proofs(4, 2, 3, proofs[:1])
+    with pytest.raises(FingerprintError, match="proof 1 has 8 bytes, expected 10"):
+        encode_built_proofs(4, 2, 3, (proofs[0], proofs[1][:8]))
+    with pytest.raises(FingerprintError, match="n_rows must be in"):
+        encode_built_proofs(4, 2, 0, ())
 
 
 def test_random_corruption_never_escapes_as_another_error() -> None:

@@ -256,3 +256,14 @@ def test_rows_without_a_candidate_modulus_are_proven_on_the_host(monkeypatch: py
     words = proof_module.proof_words(torch.stack(chunks), torch.full((2,), 32), 128)
     assert words[0, 0] == 0 and words[1, 0] == PRIME
     assert proof_module.proofs_from_words(words, 128) == [toploc_proof(c, 128) for c in chunks]
+
+
+def test_packing_refuses_a_proof_out_of_range() -> None:
+    """The check that lets the server encode its own proofs without re-reading them: a zero
+    modulus (no injective one was found) or a coefficient at the prime never leaves `_pack`."""
+    moduli, coeffs = torch.tensor([PRIME, 300]), torch.tensor([[1, 2], [3, PRIME - 1]])
+    assert len(proof_module._pack(moduli, coeffs)) == 2
+    with pytest.raises(ValueError, match="out of range"):
+        proof_module._pack(torch.tensor([PRIME, 0]), coeffs)
+    with pytest.raises(ValueError, match="out of range"):
+        proof_module._pack(moduli, torch.tensor([[1, 2], [3, PRIME]]))

@@ -81,3 +81,48 @@ def test_an_eagle_prefill_keeps_every_row_when_a_request_needs_them(case: str) -
     batch, result, rows = _prefill([5, 1, 9], mode, user_rows, wanted=case != "no request wants rows")
     prefill_rows_around(lambda worker, b: result, None, batch)
     assert result.logits_output.hidden_states is rows
+
+
+def _batch_result(rows: torch.Tensor):
+    from sglang.srt.managers.utils import GenerationBatchResult
+    from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+
+    output = LogitsProcessorOutput(next_token_logits=None, hidden_states=rows)
+    result = GenerationBatchResult(logits_output=output, next_token_ids=torch.tensor([5, 6]))
+    result.copy_done = torch.cpu.Event()  # as the scheduler sets it before the copy
+    return result
+
+
+@pytest.mark.parametrize("collects", [False, True])
+def test_a_result_keeps_its_rows_on_the_stores_device_only_when_fingerprints_alone_read_them(
+        monkeypatch: pytest.MonkeyPatch, collects: bool) -> None:
+    """The rows of a step stay where the row store is (no host copy and back) on a server whose
+    rows only fingerprints read; a server with hidden-state fields gets sglang's host copy. The
+    store's device stands in as `meta` here: sglang's host copy of a meta tensor fails, so only
+    a skipped copy lets the first case through."""
+    from sglang.srt.managers.utils import GenerationBatchResult
+
+    from sglang_rl.adapters import scheduler, toploc
+
+    monkeypatch.setattr(toploc, "_device", torch.device("meta"))
+    monkeypatch.setattr(toploc, "_device_known", True)
+    args = SimpleNamespace(toploc_verification=True, return_hidden_states_mode="last" if collects else None,
+                           drafter_cotrain=False)
+    monkeypatch.setattr(scheduler, "get_server_args", lambda: args)
+    rows = torch.empty(4, 8, device="meta")
+    result = _batch_result(rows)
+    copy = lambda: scheduler.copy_to_cpu_around(GenerationBatchResult.copy_to_cpu, result,
+                                                return_logprob=False, return_hidden_states=True)
+    if collects:
+        with pytest.raises(NotImplementedError):
+            copy()
+        return
+    copy()
+    kept = result.logits_output.hidden_states
+    assert kept.device.type == "meta" and kept is not rows and kept.shape == rows.shape
+    assert result.next_token_ids.tolist() == [5, 6]  # the rest of sglang's copy still ran
+
+    host_rows = torch.randn(4, 8)
+    result = _batch_result(host_rows)
+    scheduler.copy_to_cpu_around(GenerationBatchResult.copy_to_cpu, result, False, True)
+    assert torch.equal(result.logits_output.hidden_states, host_rows)  # a CPU server: sglang's path

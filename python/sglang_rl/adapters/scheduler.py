@@ -134,6 +134,26 @@ def _hidden_rows(batch: Any, result: Any) -> torch.Tensor | None:
     return None if logits_output is None else logits_output.hidden_states
 
 
+def copy_to_cpu_around(original: Callable, result: Any, return_logprob: bool = False,
+                       return_hidden_states: bool = True) -> Any:
+    """AROUND GenerationBatchResult.copy_to_cpu: on a GPU server whose rows go only to
+    fingerprints, whose row store is on the device, the step's rows stay there: a device copy,
+    made where sglang would start its page-locked host copy (same stream, same point), instead
+    of a host copy that the store would send straight back. Servers with row collectors
+    (hidden-state fields, co-training) take sglang's host copy as before. A request's own
+    sglang return_hidden_states still works: sglang copies its rows out of the device tensor."""
+    rows = getattr(result.logits_output, "hidden_states", None) if return_hidden_states else None
+    if (rows is not None and rows.device == toploc.store_device()
+            and _rows_only_fingerprinted(get_server_args())):
+        result.logits_output.hidden_states = rows.clone()
+        return_hidden_states = False
+    return original(result, return_logprob, return_hidden_states)
+
+
+def _rows_only_fingerprinted(args: Any) -> bool:
+    return bool(getattr(args, "toploc_verification", False)) and not _server_collects_rows(args)
+
+
 def _rows_wanted(processor: Any) -> bool:
     """Whether this server can have requests that need rows (else the hooks step aside)."""
     return _server_wants_rows(processor.server_args)
@@ -211,32 +231,27 @@ def decode_result_around(original: Callable, processor: Any, batch: Any, result:
         with_collectors = _server_collects_rows(processor.server_args)
         collector = None
         for i, req in enumerate(batch.reqs):
-            count = accepted[i] if accepted is not None else 1
             if with_collectors:
+                count = accepted[i] if accepted is not None else 1
                 for rows_of in _row_collectors(req):
                     if rows_of.stores and not rows_of.done and not (req.finished() or req.is_retracted):
                         position = len(req.origin_input_ids) + len(req.output_ids) - 1
                         collectors.append((rows_of, i * stride, count, position))
                 collector = getattr(req, HS_ATTR, None)
             state = getattr(req, STATE_ATTR, None)
-            if isinstance(state, toploc.FingerprintBuilder) and not state.done:
-                # the deferred step of return_final_hidden_state samples a token that is never
-                # returned: its row must not enter the fingerprint, which covers output_ids only
-                if not (req.finished() or req.is_retracted or _in_final_row_step(collector)):
-                    builders.append(state)
-                    starts.append(i * stride)
-                    counts.append(count)
+            # the deferred step of return_final_hidden_state samples a token that is never
+            # returned: its row must not enter the fingerprint, which covers output_ids only
+            if (isinstance(state, toploc.FingerprintBuilder) and not state.done
+                    and not (req.finished() or req.is_retracted)
+                    and (collector is None or collector.deferred is None)):
+                builders.append(state)
+                starts.append(i * stride)
+                counts.append(accepted[i] if accepted is not None else 1)
         if builders:
             toploc.add_builder_rows(builders, hidden, _topk(), counts, starts)
         if collectors:
             hidden_states.add_decode_rows(collectors, _private_host_rows(hidden, processor))
     return original(processor, batch, result)
-
-
-def _in_final_row_step(collector: Any) -> bool:
-    """Whether this decode step is the extra one that return_final_hidden_state deferred the
-    request's finish for (its token was sampled past the request's end)."""
-    return collector is not None and collector.deferred is not None
 
 
 def _private_host_rows(hidden: torch.Tensor, processor: Any) -> torch.Tensor:
@@ -310,11 +325,12 @@ def _finish_rows(reqs: list) -> None:
     """Finalise the rows of finishing requests and start their fingerprints' last proofs."""
     if not _server_wants_rows(get_server_args()):
         return
+    finished = [req for req in reqs if req.finished()]  # this runs at every step, for every request
+    if not finished:
+        return
     finishing, collectors = [], []
     trainer = cotrain.runtime()
-    for req in reqs:
-        if not req.finished():
-            continue
+    for req in finished:
         if trainer is not None:
             trainer.finished(req)
         state = getattr(req, STATE_ATTR, None)
@@ -332,6 +348,8 @@ def output_accept_around(original: Callable, accumulator: Any, *args: Any, **kwa
     send whatever the request has queued along with this output."""
     req = kwargs.get("req", args[0] if args else None)
     state = getattr(req, STATE_ATTR, None)
-    if state is not None:
+    # sglang offers every running request to the accumulator at every step: a generating one's
+    # fingerprint is posted by `_finish_rows`, so only verification requests go further here
+    if state is not None and not isinstance(state, toploc.FingerprintBuilder):
         toploc.finish_verification(state, req)
     transport.accept_around(original, accumulator, *args, **kwargs)

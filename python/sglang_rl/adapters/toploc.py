@@ -35,7 +35,7 @@ from sglang_rl.fingerprint import (
     Thresholds,
     build_chunk_proofs,
     decode_fingerprint,
-    encode_fingerprint,
+    encode_built_proofs,
     verify_rows,
 )
 from sglang_rl.fingerprint.device_prover import DeviceProver, LaunchedProofs, device_index
@@ -127,6 +127,11 @@ def _new_job() -> Future:
     return DeviceJob() if _prover() is not None else Future()
 
 
+STAGED_STEPS = 4
+"""Decode steps whose rows a GPU server's row store writes together (the rows wait on the device,
+~2 MB a step for 64 requests at 4096 under speculative decoding); a CPU store writes every step."""
+
+
 class RowStore:
     """Chunk buffers of all generating requests in one tensor [slots, 32, H] (bf16), so that a
     scheduler step writes every request's rows with one indexed copy. On a GPU server it lives on
@@ -140,6 +145,8 @@ class RowStore:
         self.data: Optional[torch.Tensor] = None
         self._free: list[int] = []
         self._lent: dict[Future, list[int]] = {}  # slots a proof job still reads, by job
+        self._staged: list[tuple[torch.Tensor, list[int]]] = []  # decode steps not yet written
+        self.staged_steps: Optional[int] = None  # decode steps written together; None: by device
 
     @property
     def capacity(self) -> int:
@@ -147,13 +154,13 @@ class RowStore:
         return 0 if self.data is None else self.data.shape[0] - 1
 
     def acquire(self, hidden_size: int) -> int:
-        if self._lent:  # few jobs, many slots: look at each job once
-            for future in [f for f in self._lent if _reads_done(f)]:
-                self._free.extend(self._lent.pop(future))
+        if not self._free:  # slots lent to jobs come back when the free ones run out
+            self.reclaim()
         if self.data is None:
             self.data = self._allocate(64, hidden_size)
             self._free = list(range(63, -1, -1))
         if not self._free:
+            self.flush()  # staged rows go to the discard slot of the tensor they were indexed for
             old = self.capacity
             grown = self._allocate(2 * old, hidden_size)
             with _on_proof_stream():
@@ -161,6 +168,12 @@ class RowStore:
             self.data = grown  # a proof job still reading the old tensor keeps it alive
             self._free = list(range(2 * old - 1, old - 1, -1))
         return self._free.pop()
+
+    def reclaim(self) -> None:
+        """Free the slots of jobs that no longer read them (few jobs, many slots: each job is
+        looked at once)."""
+        for future in [f for f in self._lent if _reads_done(f)]:
+            self._free.extend(self._lent.pop(future))
 
     @staticmethod
     def _allocate(slots: int, hidden_size: int) -> torch.Tensor:
@@ -171,8 +184,13 @@ class RowStore:
                                device=prover.device if prover is not None else "cpu")
 
     def release(self, slot: int, reader: Optional[Future] = None) -> None:
-        """Free a slot; one that a pending proof job (`reader`) still reads is freed after it."""
-        if reader is None or _reads_done(reader):
+        """Free a slot; one that a pending proof job (`reader`) still reads is freed after it.
+        A slot freed at once may hold staged rows (an aborted request's): they are written
+        first, so that they can never land after the rows of the slot's next owner."""
+        if reader is None:
+            self.flush()
+            self._free.append(slot)
+        elif _reads_done(reader):
             self._free.append(slot)
         else:
             self._lent.setdefault(reader, []).append(slot)
@@ -187,26 +205,56 @@ class RowStore:
             del self._lent[reader]
         self._lent.setdefault(new_reader, []).append(slot)
 
-    def write(self, runs: list[tuple[int, int, int]], rows: torch.Tensor) -> None:
+    def write(self, runs: list[tuple[int, int, int]], rows: torch.Tensor, kept: int) -> None:
         """Store the step's rows: each run (start, first, count) puts rows[start : start + count]
-        at flat rows first.. (slot * 32 + row in chunk). When most rows are kept (a decode step)
-        all of them go in one scatter, those no run takes to the discard slot: for a device store
-        that is one asynchronous copy of the page-locked batch and one kernel. Else (a prefill's
-        last rows) the kept rows are gathered first. An even hidden size is copied as int32
-        words, two bf16 each: the same bits, and on the CPU twice as fast as bf16."""
+        at flat rows first.. (slot * 32 + row in chunk); `kept` is the runs' rows in all.
+
+        When most rows are kept (a decode step) all of them go in one scatter, those no run takes
+        to the discard slot. Rows already on the store's device are staged instead, and the
+        staged steps written together (`flush`) every `staged_steps` steps, or before anything
+        reads the store or hands a slot out again: each write costs the scheduler thread a few
+        launches. Else (a prefill's last rows) the kept rows are gathered and written at once."""
+        if 2 * kept >= rows.shape[0]:
+            discard = (self.data.shape[0] - 1) * CHUNK_ROWS
+            index = [discard] * rows.shape[0]
+            for start, first, count in runs:
+                index[start : start + count] = range(first, first + count)
+            steps = self.staged_steps or (STAGED_STEPS if self.data.is_cuda else 1)
+            if steps > 1 and rows.device == self.data.device:
+                self._staged.append((rows, index))
+                if len(self._staged) >= steps:
+                    self.flush()
+                return
+            picks = None
+        else:
+            picks, index = [], []
+            for start, first, count in runs:
+                picks.extend(range(start, start + count))
+                index.extend(range(first, first + count))
+        self.flush()
+        self._copy([rows], index, picks)
+
+    def flush(self) -> None:
+        """Write the staged steps' rows: one concatenation and one indexed copy."""
+        if self._staged:
+            staged, self._staged = self._staged, []
+            self._copy([rows for rows, _ in staged], [i for _, index in staged for i in index])
+
+    def _copy(self, parts: list[torch.Tensor], index: list[int], picks: Optional[list[int]] = None) -> None:
+        """data's flat rows `index` = the rows of `parts`, concatenated (only rows `picks` of
+        them when given). On a GPU server this runs on the proof stream, after the current
+        stream's work; page-locked host rows cross in one asynchronous copy. An even hidden size
+        is copied as int32 words, two bf16 each: the same bits, and on the CPU twice as fast."""
         device = self.data.device
-        kept = sum(count for _, _, count in runs)
+        producer = torch.cuda.current_stream() if parts[0].is_cuda else None
         with _on_proof_stream():
-            if 2 * kept >= rows.shape[0]:
-                discard = (self.data.shape[0] - 1) * CHUNK_ROWS
-                index = [discard] * rows.shape[0]
-                for start, first, count in runs:
-                    index[start : start + count] = range(first, first + count)
-            else:
-                picks, index = [], []
-                for start, first, count in runs:
-                    picks.extend(range(start, start + count))
-                    index.extend(range(first, first + count))
+            if producer is not None:
+                stream = torch.cuda.current_stream()
+                stream.wait_stream(producer)
+                for part in parts:  # its memory is not handed out again before this stream read it
+                    part.record_stream(stream)
+            rows = parts[0] if len(parts) == 1 else torch.cat(parts)
+            if picks is not None:
                 rows = pick_rows(rows, picks)
             if rows.device != device:
                 rows = rows.to(device, non_blocking=True)
@@ -244,6 +292,11 @@ def _selection_device() -> Optional[torch.device]:
             _device = torch.device("cuda", torch.cuda.current_device())
         _device_known = server_device is not None  # None: no server args yet, ask again
     return _device
+
+
+def store_device() -> Optional[torch.device]:
+    """The device of the row store: the server's accelerator, or None (the host)."""
+    return _selection_device()
 
 
 def _prover() -> Optional[DeviceProver]:
@@ -329,6 +382,7 @@ class FingerprintBuilder:
         speculative step's run of rows may go past the request's end (sglang cuts the tokens with
         finished_len): those rows are dropped here, also from the newest full chunk, which then
         becomes the partial one."""
+        _store.flush()
         excess = self.rows_seen - n_rows
         reach = self.fill + (CHUNK_ROWS if self.chunks else 0)
         if excess < 0 or excess > reach:
@@ -358,8 +412,7 @@ class FingerprintBuilder:
         if last_proof is not None:
             proofs.append(last_proof)
         self.release()
-        fp = Fingerprint(topk=self.topk, chunk_size=CHUNK_ROWS, n_rows=self.rows_seen, proofs=tuple(proofs))
-        return encode_fingerprint(fp)
+        return encode_built_proofs(self.topk, CHUNK_ROWS, self.rows_seen, tuple(proofs))
 
     def release(self) -> None:
         """Give the row slots back (the request finished, with or without a fingerprint)."""
@@ -453,6 +506,7 @@ def _start(future: Future, parts: list[tuple[int, int]], topk: int,
     """Start the proofs of store chunks `parts` ((slot, rows) each); `future` gets
     `finish(proofs)`. A GPU server launches them here, on the device (`DeviceJob`); a CPU
     server's proof thread builds them from the host store."""
+    _store.flush()
     prover = _prover()
     if prover is not None:
         try:
@@ -509,7 +563,8 @@ def add_builder_rows(builders: list[FingerprintBuilder], rows: torch.Tensor, top
     of the step's rows [N, H] (one row each when counts is None; a speculative step commits a
     run; runs follow each other from row 0 when starts is None). The whole step is one indexed
     write; chunks filled in it join the pending proof job (`PendingProofs`), which reads their
-    rows from the store itself (the scheduler copies nothing)."""
+    rows from the store itself (the scheduler copies nothing). This runs for every request at
+    every step, so a run that stays inside its chunk (most of them) takes the short path."""
     if not builders:
         return
     counts = counts or [1] * len(builders)
@@ -521,6 +576,11 @@ def add_builder_rows(builders: list[FingerprintBuilder], rows: torch.Tensor, top
         if b.slot is None:
             b.slot = _store.acquire(hidden)
         b.rows_seen += count
+        fill = b.fill + count
+        if fill < CHUNK_ROWS:
+            runs.append((start, b.slot * CHUNK_ROWS + b.fill, count))
+            b.fill = fill
+            continue
         while count:
             take = min(count, CHUNK_ROWS - b.fill)
             runs.append((start, b.slot * CHUNK_ROWS + b.fill, take))
@@ -529,7 +589,7 @@ def add_builder_rows(builders: list[FingerprintBuilder], rows: torch.Tensor, top
             b.fill += take
             if b.fill == CHUNK_ROWS:
                 _pending.add(b.chunk_filled(hidden))  # queued at once: its slot is lent from here on
-    _store.write(runs, rows)
+    _store.write(runs, rows, sum(counts))
     _pending.step(topk)
 
 

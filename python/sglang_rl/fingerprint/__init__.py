@@ -8,6 +8,7 @@ from sglang_rl.fingerprint.codec import (
     FingerprintError,
     build_fingerprint,
     decode_fingerprint,
+    encode_built_proofs,
     encode_fingerprint,
 )
 from sglang_rl.fingerprint.proof import (
@@ -51,6 +52,7 @@ __all__ = [
     "build_chunk_proofs",
     "build_fingerprint",
     "decode_fingerprint",
+    "encode_built_proofs",
     "encode_fingerprint",
     "interpolate",
     "load_calibration",

@@ -246,8 +246,14 @@ def _lagrange_coefficients(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def _pack(moduli: torch.Tensor, coeffs: torch.Tensor) -> list[bytes]:
-    """toploc's byte layout: u16 big-endian modulus, then the coefficients (CPU int64 inputs)."""
+    """toploc's byte layout: u16 big-endian modulus, then the coefficients (CPU int64 inputs).
+    Every proof is checked here, in one pass over the job, as the fingerprint decoder checks an
+    untrusted one (a modulus in [k, PRIME], coefficients below PRIME): the server's own
+    fingerprints are then encoded without re-reading each proof in Python."""
     batch, k = coeffs.shape
+    if batch and not (bool(((moduli >= k) & (moduli <= PRIME)).all())
+                      and bool(((coeffs >= 0) & (coeffs < PRIME)).all())):
+        raise ValueError("a proof came out with a modulus or a coefficient out of range")
     words = torch.cat([moduli.unsqueeze(1), coeffs], dim=1)
     packed = torch.stack([words >> 8, words & 0xFF], dim=2).to(torch.uint8).reshape(batch, -1)
     raw = packed.numpy().tobytes()
