@@ -101,7 +101,10 @@ def max_prefix_len_around(original: Callable, req: Any, *args: Any, **kwargs: An
 def update_finish_state_around(original: Callable, req: Any, *args: Any, **kwargs: Any) -> Any:
     """AROUND Req.update_finish_state: for return_final_hidden_state, defer a request's finish by
     one decode step so its last token gets a forward pass on its own KV cache; the extra token is
-    cut by finished_len, exactly like a speculative overshoot."""
+    cut by finished_len, exactly like a speculative overshoot. Only the finish reason waits:
+    finished_len stays set through the extra step, because sglang streams an unfinished request's
+    `output_ids_through_stop` in that step, and without it a speculative overshoot (tokens of the
+    last verify run past the finish) would go out to the client, one token more than the rows."""
     collector = getattr(req, HS_ATTR, None)
     if collector is None or not collector.options.final_row:
         return original(req, *args, **kwargs)
@@ -119,7 +122,7 @@ def update_finish_state_around(original: Callable, req: Any, *args: Any, **kwarg
             return result  # a prefill-only request generated nothing: no final token, no extra step
         collector.deferred = (req.finished_reason, finished_len)
         req.finished_reason = None
-        req.finished_len = None
+        req.finished_len = finished_len
     return result
 
 
