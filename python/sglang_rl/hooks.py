@@ -114,8 +114,10 @@ def hook_table() -> list[Hook]:
              "drive k-CBS searches (hide beam requests, release finished searches); encode the "
              "rows of requests finishing in this batch; start their last proofs and hold their "
              "outputs until the proofs are done (the step never waits), releasing finished ones"),
-        Hook(f"{SRT}.managers.scheduler.Scheduler.on_idle", B, scheduler.idle_before,
-             "no batch left to carry held outputs: wait for their proofs and stream them now"),
+        Hook(f"{SRT}.managers.scheduler.Scheduler.get_next_batch_to_run", AF,
+             scheduler.next_batch_after,
+             "stream held outputs once their proofs are done, not a step later with the next "
+             "batch; with nothing to launch, wait for those proofs (the loop would wait anyway)"),
         Hook(f"{SCHED}.output_streamer._GenerationStreamAccumulator.accept", A,
              scheduler.output_accept_around,
              "finalise verification reports and send queued results with the request's output"),

@@ -1,12 +1,13 @@
 """Outputs of finishing fingerprinted requests are held until their last proofs are built
-(adapters/scheduler.py: stream_output_before, idle_before), with sglang's streamer and requests
+(adapters/scheduler.py: stream_output_before, next_batch_after), with sglang's streamer and requests
 stood in by plain objects and real builders, proofs and toploc underneath.
 
 The scheduler step that sees requests finish must not wait for proofs; a held request must not
 leave with another batch's outputs before its fingerprint is posted (with the overlap schedule a
 finished request shows up again in the next batch); once its proofs are done it goes out with
-the next batch, which then carries log-probs if the held request asked for them; and an idle
-scheduler streams what is still held.
+the next batch, which then carries log-probs if the held request asked for them, or as soon as
+the loop schedules again and finds it proven; and a loop with nothing to launch waits for what
+is still held and streams it.
 """
 
 from __future__ import annotations
@@ -81,7 +82,13 @@ def test_held_until_proven_never_streamed_early_then_released_with_log_probs() -
     assert out == [a, b, c]
 
 
-def test_an_idle_scheduler_streams_what_is_held() -> None:
+def _plan(batch: object) -> SimpleNamespace:
+    return SimpleNamespace(batch_to_run=batch)
+
+
+def test_held_outputs_go_out_once_proven_without_waiting_for_the_next_batch() -> None:
+    """The loop's next schedule streams what is proven: with a batch to launch it only looks
+    (a proof still running stays held); with none it waits for the proofs and streams them."""
     gen = torch.Generator().manual_seed(4)
     d, rows_d = _fed("d", 70, gen)
     sent: list[tuple[list, bool]] = []
@@ -92,10 +99,19 @@ def test_an_idle_scheduler_streams_what_is_held() -> None:
     try:
         out, _ = _streamed(scheduler.stream_output_before(object(), [d], False), [d])
         assert out == []
+        plan = _plan(object())
+        assert scheduler.next_batch_after(plan, fake) is plan
+        assert sent == [] and adapter.holds_requests()  # a batch to launch: no wait for the proof
     finally:
         gate.set()
     busy.result(timeout=30)
-    scheduler.idle_before(fake)
+    scheduler.next_batch_after(_plan(None), fake)  # nothing to launch: wait, then stream
     assert sent == [([d], False)] and posted_proofs(d) == toploc_proofs(rows_d)
-    scheduler.idle_before(fake)  # nothing held: nothing sent
+    scheduler.next_batch_after(_plan(None), fake)  # nothing held: nothing sent
     assert len(sent) == 1
+
+    e, rows_e = _fed("e", 40, gen, logprob=True)
+    scheduler.stream_output_before(object(), [e], False)
+    adapter._proof_executor().submit(lambda: None).result(timeout=30)  # its job ran
+    scheduler.next_batch_after(_plan(object()), fake)  # proven: out before the next batch's outputs
+    assert sent[1] == ([e], True) and posted_proofs(e) == toploc_proofs(rows_e)

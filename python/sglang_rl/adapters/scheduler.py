@@ -275,7 +275,7 @@ def stream_output_before(streamer: Any, reqs: list, *args: Any, **kwargs: Any) -
     requests are taken out, finished searches put in), then finalise the rows of every request
     finishing in this batch and start their fingerprints' last proofs. Requests whose proofs
     are still being built are held back from this batch's outputs (the step never waits for
-    them) and go out with a later batch, or when the scheduler idles (`idle_before`)."""
+    them) and go out as soon as they are proven (`next_batch_after`) or with a later batch."""
     if _streaming_released:
         return None
     replaced = None
@@ -308,20 +308,29 @@ def _with_logprobs_for(reqs: list, args: tuple, kwargs: dict) -> tuple[tuple, di
 _streaming_released = False
 
 
-def idle_before(scheduler: Any, *args: Any, **kwargs: Any) -> None:
-    """BEFORE Scheduler.on_idle: no batch is left to carry the outputs of requests whose
-    fingerprints were still being proven, so wait for those proofs and stream the outputs now."""
+def next_batch_after(plan: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+    """AFTER Scheduler.get_next_batch_to_run: stream held outputs as soon as their proofs are
+    done, rather than with the next batch's outputs, a whole step later (under the overlap
+    schedule the requests that end a burst would reach their clients a step after they would
+    without fingerprints). With no batch to launch, the scheduler's next move is to wait for the
+    GPU anyway (the last batch's results) or to idle: it waits for the held proofs instead, short
+    jobs on their own stream that were launched before that batch's results were due."""
+    if toploc.holds_requests():
+        ready = toploc.release_finished(wait=plan.batch_to_run is None)
+        if ready:
+            _stream_released(scheduler, ready)
+    return plan
+
+
+def _stream_released(scheduler: Any, ready: list) -> None:
+    """Stream requests released from the hold outside a batch's own outputs (they are not held
+    any more, so `stream_output_before` lets them through untouched)."""
     global _streaming_released
-    if not toploc.holds_requests():
-        return None
-    ready = toploc.release_finished(wait=True)
-    if ready:
-        _streaming_released = True
-        try:
-            scheduler.output_streamer.stream_output(ready, any(r.return_logprob for r in ready))
-        finally:
-            _streaming_released = False
-    return None
+    _streaming_released = True
+    try:
+        scheduler.output_streamer.stream_output(ready, any(r.return_logprob for r in ready))
+    finally:
+        _streaming_released = False
 
 
 def _finish_rows(reqs: list) -> None:
