@@ -118,6 +118,9 @@ def hook_table() -> list[Hook]:
              scheduler.next_batch_after,
              "stream held outputs once their proofs are done, not a step later with the next "
              "batch; with nothing to launch, wait for those proofs (the loop would wait anyway)"),
+        Hook(f"{SRT}.managers.scheduler.Scheduler.on_idle", B, scheduler.idle_before,
+             "loops that idle without that schedule (disaggregation, multiplexing): wait for the "
+             "held outputs' proofs and stream them"),
         Hook(f"{SCHED}.output_streamer._GenerationStreamAccumulator.accept", A,
              scheduler.output_accept_around,
              "finalise verification reports and send queued results with the request's output"),

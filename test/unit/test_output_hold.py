@@ -115,3 +115,23 @@ def test_held_outputs_go_out_once_proven_without_waiting_for_the_next_batch() ->
     adapter._proof_executor().submit(lambda: None).result(timeout=30)  # its job ran
     scheduler.next_batch_after(_plan(object()), fake)  # proven: out before the next batch's outputs
     assert sent[1] == ([e], True) and posted_proofs(e) == toploc_proofs(rows_e)
+
+
+def test_an_idle_loop_streams_what_is_held() -> None:
+    """Loops that idle without scheduling (disaggregation, multiplexing) release held outputs
+    from the idle hook, after waiting for their proofs."""
+    gen = torch.Generator().manual_seed(5)
+    f, rows_f = _fed("f", 33, gen)
+    sent: list[tuple[list, bool]] = []
+    fake = SimpleNamespace(output_streamer=SimpleNamespace(stream_output=lambda reqs, flag: sent.append((reqs, flag))))
+    gate = threading.Event()
+    busy = adapter._proof_executor().submit(gate.wait, 30)
+    try:
+        out, _ = _streamed(scheduler.stream_output_before(object(), [f], False), [f])
+        assert out == [] and adapter.holds_requests()
+    finally:
+        gate.set()
+    scheduler.idle_before(fake)
+    assert sent == [([f], False)] and posted_proofs(f) == toploc_proofs(rows_f)
+    scheduler.idle_before(fake)  # nothing held: nothing sent
+    assert len(sent) == 1

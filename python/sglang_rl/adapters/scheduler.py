@@ -322,6 +322,16 @@ def next_batch_after(plan: Any, scheduler: Any, *args: Any, **kwargs: Any) -> An
     return plan
 
 
+def idle_before(scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    """BEFORE Scheduler.on_idle: the backstop for loops that idle without calling
+    get_next_batch_to_run (disaggregated prefill and decode, multiplexing): no batch is left to
+    carry held outputs, so wait for their proofs and stream them now."""
+    if toploc.holds_requests():
+        ready = toploc.release_finished(wait=True)
+        if ready:
+            _stream_released(scheduler, ready)
+
+
 def _stream_released(scheduler: Any, ready: list) -> None:
     """Stream requests released from the hold outside a batch's own outputs (they are not held
     any more, so `stream_output_before` lets them through untouched)."""
