@@ -12,6 +12,7 @@ is still held and streams it.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from types import SimpleNamespace
 
@@ -86,25 +87,36 @@ def _plan(batch: object) -> SimpleNamespace:
     return SimpleNamespace(batch_to_run=batch)
 
 
+def _recording_scheduler(sent: list) -> SimpleNamespace:
+    """A scheduler whose output streamer records what it is asked to stream."""
+    return SimpleNamespace(output_streamer=SimpleNamespace(stream_output=lambda reqs, flag: sent.append((reqs, flag))))
+
+
+@contextlib.contextmanager
+def _proofs_gated():
+    """The proof thread is kept busy inside the block: jobs started there cannot finish yet."""
+    gate = threading.Event()
+    busy = adapter._proof_executor().submit(gate.wait, 30)
+    try:
+        yield
+    finally:
+        gate.set()
+        busy.result(timeout=30)
+
+
 def test_held_outputs_go_out_once_proven_without_waiting_for_the_next_batch() -> None:
     """The loop's next schedule streams what is proven: with a batch to launch it only looks
     (a proof still running stays held); with none it waits for the proofs and streams them."""
     gen = torch.Generator().manual_seed(4)
     d, rows_d = _fed("d", 70, gen)
     sent: list[tuple[list, bool]] = []
-    fake = SimpleNamespace(output_streamer=SimpleNamespace(stream_output=lambda reqs, flag: sent.append((reqs, flag))))
-
-    gate = threading.Event()
-    busy = adapter._proof_executor().submit(gate.wait, 30)
-    try:
+    fake = _recording_scheduler(sent)
+    with _proofs_gated():
         out, _ = _streamed(scheduler.stream_output_before(object(), [d], False), [d])
         assert out == []
         plan = _plan(object())
         assert scheduler.next_batch_after(plan, fake) is plan
         assert sent == [] and adapter.holds_requests()  # a batch to launch: no wait for the proof
-    finally:
-        gate.set()
-    busy.result(timeout=30)
     scheduler.next_batch_after(_plan(None), fake)  # nothing to launch: wait, then stream
     assert sent == [([d], False)] and posted_proofs(d) == toploc_proofs(rows_d)
     scheduler.next_batch_after(_plan(None), fake)  # nothing held: nothing sent
@@ -123,14 +135,10 @@ def test_an_idle_loop_streams_what_is_held() -> None:
     gen = torch.Generator().manual_seed(5)
     f, rows_f = _fed("f", 33, gen)
     sent: list[tuple[list, bool]] = []
-    fake = SimpleNamespace(output_streamer=SimpleNamespace(stream_output=lambda reqs, flag: sent.append((reqs, flag))))
-    gate = threading.Event()
-    busy = adapter._proof_executor().submit(gate.wait, 30)
-    try:
+    fake = _recording_scheduler(sent)
+    with _proofs_gated():
         out, _ = _streamed(scheduler.stream_output_before(object(), [f], False), [f])
         assert out == [] and adapter.holds_requests()
-    finally:
-        gate.set()
     scheduler.idle_before(fake)
     assert sent == [([f], False)] and posted_proofs(f) == toploc_proofs(rows_f)
     scheduler.idle_before(fake)  # nothing held: nothing sent
