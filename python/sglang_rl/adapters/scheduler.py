@@ -315,10 +315,7 @@ def next_batch_after(plan: Any, scheduler: Any, *args: Any, **kwargs: Any) -> An
     without fingerprints). With no batch to launch, the scheduler's next move is to wait for the
     GPU anyway (the last batch's results) or to idle: it waits for the held proofs instead, short
     jobs on their own stream that were launched before that batch's results were due."""
-    if toploc.holds_requests():
-        ready = toploc.release_finished(wait=plan.batch_to_run is None)
-        if ready:
-            _stream_released(scheduler, ready)
+    _stream_held(scheduler, wait=plan.batch_to_run is None)
     return plan
 
 
@@ -326,16 +323,19 @@ def idle_before(scheduler: Any, *args: Any, **kwargs: Any) -> None:
     """BEFORE Scheduler.on_idle: the backstop for loops that idle without calling
     get_next_batch_to_run (disaggregated prefill and decode, multiplexing): no batch is left to
     carry held outputs, so wait for their proofs and stream them now."""
-    if toploc.holds_requests():
-        ready = toploc.release_finished(wait=True)
-        if ready:
-            _stream_released(scheduler, ready)
+    _stream_held(scheduler, wait=True)
 
 
-def _stream_released(scheduler: Any, ready: list) -> None:
-    """Stream requests released from the hold outside a batch's own outputs (they are not held
-    any more, so `stream_output_before` lets them through untouched)."""
+def _stream_held(scheduler: Any, wait: bool) -> None:
+    """Stream the held requests whose proofs are done (all of them, waiting, with `wait`),
+    outside a batch's own outputs (they are not held any more, so `stream_output_before` lets
+    them through untouched)."""
     global _streaming_released
+    if not toploc.holds_requests():
+        return
+    ready = toploc.release_finished(wait=wait)
+    if not ready:
+        return
     _streaming_released = True
     try:
         scheduler.output_streamer.stream_output(ready, any(r.return_logprob for r in ready))
