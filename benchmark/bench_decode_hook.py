@@ -30,8 +30,12 @@ from common import print_table  # noqa: E402
 ACCEPTED = (1, 3, 4, 4, 4)  # committed rows per request in a speculative step (mean ~3.4, as EAGLE's)
 
 
-def per_step_us(requests: int, hidden: int, spec: bool, steps: int, repeats: int, device: str = "cpu") -> float:
-    """Best of `repeats` mean times per step of the hook over `steps` steps."""
+def per_step_us(requests: int, hidden: int, spec: bool, steps: int, repeats: int,
+                device: str = "cpu") -> tuple[float, float, float]:
+    """Best of `repeats` mean times per step of the hook over `steps` steps; then, best of the
+    same passes, the host time per request of finishing them all in one output batch:
+    `finish_builders` (the tails' job launched) and, once that job is done on the device,
+    `release_finished` (proofs read back, fingerprints encoded and posted)."""
     from sglang_rl.adapters import scheduler
     from sglang_rl.adapters import toploc as adapter
 
@@ -42,13 +46,16 @@ def per_step_us(requests: int, hidden: int, spec: bool, steps: int, repeats: int
     adapter._device, adapter._device_known = (torch.device("cuda", torch.cuda.current_device()) if on_gpu
                                               else None), True
     stride = 4 if spec else 1
-    best = float("inf")
+    best = best_finish = best_release = float("inf")
+    slots = requests * (steps * stride // 32 + 2)
+    # one store tensor for every pass, as a server's store stays once grown (a new tensor
+    # would have the prover capture its graphs again, inside the timed steps)
+    data = torch.zeros(slots + 1, 32, hidden, dtype=torch.bfloat16, device=device)
     for _ in range(repeats + 1):  # the first pass warms up (and captures the proof graphs)
         adapter._pending = (adapter.PendingProofs() if on_gpu
                             else adapter.PendingProofs(max_chunks=10**9, max_steps=10**9))
         adapter._store = adapter.RowStore()
-        slots = requests * (steps * stride // 32 + 2)
-        adapter._store.data = torch.zeros(slots + 1, 32, hidden, dtype=torch.bfloat16, device=device)
+        adapter._store.data = data
         adapter._store._free = list(range(slots - 1, -1, -1))
         reqs = []
         for i in range(requests):
@@ -69,10 +76,27 @@ def per_step_us(requests: int, hidden: int, spec: bool, steps: int, repeats: int
         for _ in range(steps):
             scheduler.decode_result_around(lambda *a: None, processor, batch, result)
         best = min(best, (time.perf_counter() - start) / steps * 1e6)
+        items = []
+        for req in reqs:
+            builder = getattr(req, scheduler.STATE_ATTR)
+            req.finished_reason = SimpleNamespace()
+            req.output_ids_through_stop = [1] * (builder.rows_seen - 1)  # the last step went one past
+            items.append((builder, req))
         if on_gpu:
-            adapter._pending.flush(128)
             torch.cuda.synchronize()
-    return best
+        start = time.perf_counter()
+        adapter.finish_builders(items)
+        finished = time.perf_counter()
+        if on_gpu:
+            torch.cuda.synchronize()
+        else:
+            adapter._held[-1].job.result()  # the proof thread's job: not the scheduler's host time
+        released = time.perf_counter()
+        assert len(adapter.release_finished(wait=True)) == requests
+        done = time.perf_counter()
+        best_finish = min(best_finish, (finished - start) / requests * 1e6)
+        best_release = min(best_release, (done - released) / requests * 1e6)
+    return best, best_finish, best_release
 
 
 def main() -> int:
@@ -83,13 +107,15 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the row store lives")
     args = p.parse_args()
-    rows = [{"step": "plain decoding (1 row per request)" if not spec else "speculative (1..4 rows, mean 3.2)",
-             "us_per_step": round(per_step_us(args.requests, args.hidden, spec, args.steps, args.repeats,
-                                              args.device), 1)}
-            for spec in (False, True)]
+    rows = []
+    for spec in (False, True):
+        step, finish, release = per_step_us(args.requests, args.hidden, spec, args.steps, args.repeats, args.device)
+        rows.append({"step": "plain decoding (1 row per request)" if not spec else "speculative (1..4 rows, mean 3.2)",
+                     "us_per_step": round(step, 1), "finish_us_per_request": round(finish, 1),
+                     "release_us_per_request": round(release, 1)})
     print(f"decode hook per step: {args.requests} fingerprinted requests, hidden {args.hidden}, "
           f"store on {args.device}, best of {args.repeats} passes of {args.steps} steps")
-    print_table(rows, ["step", "us_per_step"])
+    print_table(rows, ["step", "us_per_step", "finish_us_per_request", "release_us_per_request"])
     return 0
 
 

@@ -54,6 +54,31 @@ def check_bytes(prover: DeviceProver, store: torch.Tensor, topk: int) -> None:
               f"the rest verify: {len(differ)}/{len(differ)}")
 
 
+def check_reuse(prover: DeviceProver, store: torch.Tensor, topk: int) -> None:
+    """Jobs of one bucket launched back to back before any is read, then read in reverse order:
+    each must keep its own host buffers until read, and give what the same job gives alone.
+    Then a job over a second, larger store tensor (the store grew: the graphs must read the new
+    one, where the old one's chunks now lie at other slots), and one over the first again."""
+    gen = torch.Generator().manual_seed(2)
+
+    def alone(on: torch.Tensor, slots: list[int], rows: list[int]) -> list[bytes]:
+        with prover.on_stream():
+            return prover.launch(on, slots, rows, topk).proofs()
+
+    jobs = [[int(s) for s in torch.randperm(store.shape[0], generator=gen)[:20]] for _ in range(4)]
+    expected = [alone(store, slots, [ROWS] * 20) for slots in jobs]
+    with prover.on_stream():
+        launched = [prover.launch(store, slots, [ROWS] * 20, topk) for slots in jobs]
+    for i in reversed(range(len(jobs))):
+        assert launched[i].proofs() == expected[i], f"job {i} read out of order differs"
+    with prover.on_stream():
+        grown = torch.cat([torch.randn_like(store, dtype=torch.float32).to(torch.bfloat16), store])
+    moved = [store.shape[0] + 1, store.shape[0] + 2]  # the old store's slots 1 and 2
+    assert alone(grown, moved, [ROWS, 9]) == alone(store, [1, 2], [ROWS, 9]), "the grown store was not read"
+    assert alone(store, jobs[0], [ROWS] * 20) == expected[0], "back on the first store"
+    print("jobs in flight together and read out of order, a grown store, and back: as each job alone")
+
+
 def launch_cost(prover: DeviceProver, store: torch.Tensor, topk: int, count: int, runs: int = 50) -> float:
     """Median host microseconds of one launch of `count` full chunks."""
     slots = list(range(count))
@@ -131,6 +156,7 @@ def main() -> None:
     print(f"# device prover on {torch.cuda.get_device_name(0)}, hidden {args.hidden}, topk {args.topk}")
     check_bytes(graphs, store, args.topk)
     assert graphs.use_graphs, "graph capture failed (see the warning above)"
+    check_reuse(graphs, store, args.topk)
     check_bytes(eager, store, args.topk)
     print("\n| chunks per job | host us per launch, graph | host us per launch, op by op |")
     print("|---|---|---|")

@@ -6,7 +6,15 @@ Found only when this folder is on PYTHONPATH; `SGLANG_RL_TOPLOC_ABLATION` picks 
 * `no_builders`: no request gets a fingerprint builder, so only the server-wide capture mode of
   --toploc-verification remains (every batch and CUDA graph captures LAST rows);
 * `no_rows`: requests get builders and raise their capture mode (sglang keeps each step's rows
-  for them), and the hooks run, but no row reaches the store and no proof is built.
+  for them), and the hooks run, but no row reaches the store and no proof is built;
+* `no_jobs`: the rows are written to the store as when on, but no proof job starts and no
+  finishing request is held;
+* `no_finish`: the full chunks' proof jobs run as when on, but finishing requests start no job of
+  their own and are not held.
+
+And one variant that switches nothing off:
+
+* `high_priority`: the proof jobs run on a stream of the device's highest priority.
 
     PYTHONPATH=$PYTHONPATH:benchmark/toploc_ablation SGLANG_RL_TOPLOC_ABLATION=no_rows \\
         python benchmark/bench_toploc.py ... --modes on
@@ -34,6 +42,32 @@ def _nothing_held(items: list) -> list:
     return []
 
 
+def _no_job(future: Any, parts: list, topk: int, finish: Any) -> None:
+    """`_start` without a job: the staged rows are written as a job would have them written, and
+    the job is done at once (its chunks get empty proofs, which nothing reads here)."""
+    from sglang_rl.adapters import toploc
+
+    toploc._store.flush()
+    future.set_result(finish([b""] * len(parts)))
+
+
+def _high_priority_prover() -> Any:
+    """`_prover` with the proof stream at the device's highest priority."""
+    import torch
+
+    from sglang_rl.adapters import toploc
+    from sglang_rl.fingerprint.device_prover import DeviceProver
+
+    device = toploc._selection_device()
+    if device is None:
+        return None
+    prover = toploc._provers.get(device)
+    if prover is None:
+        stream = torch.cuda.Stream(device=device, priority=-100)  # clamped to the highest
+        prover = toploc._provers[device] = DeviceProver(device, stream)
+    return prover
+
+
 def register() -> None:
     """Entry point: replace the switched-off part with a no-op."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
@@ -44,5 +78,13 @@ def register() -> None:
     elif part == "no_rows":
         HookRegistry.register(f"{TOPLOC}.add_builder_rows", _no_rows, HookType.REPLACE)
         HookRegistry.register(f"{TOPLOC}.finish_builders", _nothing_held, HookType.REPLACE)
+    elif part == "no_jobs":
+        HookRegistry.register(f"{TOPLOC}._start", _no_job, HookType.REPLACE)
+        HookRegistry.register(f"{TOPLOC}.finish_builders", _nothing_held, HookType.REPLACE)
+    elif part == "no_finish":
+        HookRegistry.register(f"{TOPLOC}.finish_builders", _nothing_held, HookType.REPLACE)
+    elif part == "high_priority":
+        HookRegistry.register(f"{TOPLOC}._prover", _high_priority_prover, HookType.REPLACE)
     elif part:
-        raise ValueError(f"SGLANG_RL_TOPLOC_ABLATION={part!r}: expected no_builders or no_rows")
+        raise ValueError(f"SGLANG_RL_TOPLOC_ABLATION={part!r}: expected one of "
+                         "no_builders, no_rows, no_jobs, no_finish, high_priority")

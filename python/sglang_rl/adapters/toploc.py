@@ -509,9 +509,8 @@ def _start(future: Future, parts: list[tuple[int, int]], topk: int,
     _store.flush()
     prover = _prover()
     if prover is not None:
-        try:
-            with _on_proof_stream():
-                launched = prover.launch(_store.data, [slot for slot, _ in parts], [rows for _, rows in parts], topk)
+        try:  # the launch runs on the prover's stream
+            launched = prover.launch(_store.data, [slot for slot, _ in parts], [rows for _, rows in parts], topk)
         except Exception as exc:  # noqa: BLE001 - never the scheduler's end: the waiting requests report it
             future.set_exception(FingerprintError(f"proof job failed to start: {exc!r}"))
             return

@@ -3,11 +3,15 @@
 A serving loop that fingerprints its outputs must not wait for proofs, and on a host-bound loop
 it must not hand the work to a second Python thread either: that thread needs the GIL for each
 of its few hundred tensor ops, and behind a busy loop each acquisition can take milliseconds, so
-its jobs fall seconds behind. Here the caller launches a job itself: the chunks are gathered from
-the store into a static input, one CUDA graph of `proof_words` is replayed (a handful of host
-ops in all), and the words are copied to page-locked host memory behind an event. `ready()` polls
-that event; `proofs()` turns the words into toploc's bytes. Everything runs on one side stream,
-so a slot of the store may be written again as soon as the job that reads it has been launched.
+its jobs fall seconds behind. Here the caller launches a job itself, in four host operations
+per piece of up to 64 chunks: the job's plan (slots and row counts) goes to the device from
+page-locked memory, one CUDA graph gathers those chunks from the store and runs `proof_words`,
+the words come back to page-locked memory, and an event marks the end. `ready()` polls that
+event; `proofs()` turns the words into toploc's bytes. Under EAGLE the scheduler thread is what
+bounds the server, and each torch call costs it 10-20 us, so the gather is inside the graph (a
+graph is captured per store tensor, and again if the store grows) and the page-locked buffers
+are reused once their job has been read. Everything runs on one side stream, so a slot of the
+store may be written again as soon as the job that reads it has been launched.
 
 On a CPU device (tests, tools) a launch builds the proofs at once with the host algorithm, whose
 top-k breaks ties in |x| exactly as toploc's CPU top-k does (a padded chunk's may not).
@@ -37,13 +41,44 @@ def device_index(values: list, device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.long, pin_memory=True).to(device, non_blocking=True)
 
 
+class _Buffers:
+    """Page-locked host memory of one piece of a job: its plan (slots, then row counts) on the
+    way in, its words on the way out. Reused once the words have been read (`_Piece.read`),
+    when the device is done with both."""
+
+    def __init__(self, bucket: int, width: int, rows: int) -> None:
+        self.plan = torch.empty((2, bucket), dtype=torch.int64, pin_memory=True)
+        self.words = torch.empty((bucket, width), dtype=torch.int64, pin_memory=True)
+        self.plan_view = self.plan.numpy()
+        self.plan_view[0] = 0  # the padding entries of a piece: slot 0, whole chunks (read, ignored)
+        self.plan_view[1] = rows
+
+
+class _Piece:
+    """Words of `count` chunks on their way to the host: in `buffers` (given back to `free`
+    once read) or, without a graph, in a page-locked tensor of their own."""
+
+    __slots__ = ("words", "count", "buffers", "free")
+
+    def __init__(self, words: torch.Tensor, count: int, buffers: Optional[_Buffers] = None,
+                 free: Optional[list] = None) -> None:
+        self.words, self.count, self.buffers, self.free = words, count, buffers, free
+
+    def read(self, topk: int) -> list[bytes]:
+        proofs = proofs_from_words(self.words[: self.count], topk)
+        if self.buffers is not None:
+            self.free.append(self.buffers)
+            self.buffers = None
+        return proofs
+
+
 class LaunchedProofs:
     """Proof words on their way to the host, ready once `event` has passed; or, from a CPU
     device, the proofs themselves (`built`)."""
 
-    def __init__(self, words: list[torch.Tensor], topk: int, event: Any = None,
+    def __init__(self, pieces: list[_Piece], topk: int, event: Any = None,
                  built: Optional[list[bytes]] = None) -> None:
-        self._words = words
+        self._pieces = pieces
         self._topk = topk
         self._event = event
         self._built = built
@@ -52,11 +87,13 @@ class LaunchedProofs:
         return self._event is None or self._event.query()
 
     def proofs(self) -> list[bytes]:
-        """The serialised proofs, in launch order (waits for the device if it is not done)."""
-        if self._built is not None:
-            return self._built
-        self._event.synchronize()
-        return [p for words in self._words for p in proofs_from_words(words, self._topk)]
+        """The serialised proofs, in launch order (waits for the device if it is not done).
+        Read once: the host buffers go back to the prover."""
+        if self._built is None:
+            self._event.synchronize()
+            self._built = [p for piece in self._pieces for p in piece.read(self._topk)]
+            self._pieces = []
+        return self._built
 
 
 class _OnStream:
@@ -79,10 +116,11 @@ class _OnStream:
 
 
 class _Graph:
-    """One bucket's captured `proof_words`: static chunk and row-count inputs, static words out."""
+    """One bucket's captured job over one store tensor: a static plan in (slots, row counts),
+    the chunks gathered and `proof_words` run, static words out."""
 
-    def __init__(self, chunks: torch.Tensor, rows: torch.Tensor, words: torch.Tensor, graph: Any) -> None:
-        self.chunks, self.rows, self.words, self.graph = chunks, rows, words, graph
+    def __init__(self, plan: torch.Tensor, words: torch.Tensor, graph: Any) -> None:
+        self.plan, self.words, self.graph = plan, words, graph
 
 
 class DeviceProver:
@@ -92,7 +130,9 @@ class DeviceProver:
         self.device = device
         self.stream = stream
         self.use_graphs = graphs and device.type == "cuda"
-        self._graphs: dict[tuple[int, int, tuple[int, ...]], _Graph] = {}
+        self._graphs: dict[tuple[int, int], _Graph] = {}  # by (bucket, topk), for `_store`
+        self._store: Optional[tuple[int, tuple[int, ...]]] = None  # the store the graphs read
+        self._free: dict[tuple[int, int], list[_Buffers]] = {}  # host buffers by (bucket, width)
         self._pool: Any = None
 
     def on_stream(self) -> Any:
@@ -109,37 +149,47 @@ class DeviceProver:
             built = build_chunk_proofs([store[slot, :count] for slot, count in zip(slots, rows)], topk)
             return LaunchedProofs([], topk, built=built)
         with self.on_stream():
-            plan = device_index([slots, rows], self.device)
             pieces = []
             largest = BUCKETS[-1]
             for start in range(0, len(slots), largest):
-                count = min(largest, len(slots) - start)
-                pieces.append(self._piece(store, plan[:, start : start + count], count, topk))
+                end = start + largest
+                pieces.append(self._piece(store, slots[start:end], rows[start:end], topk))
             event = torch.cuda.Event()
             event.record(self.stream)
         return LaunchedProofs(pieces, topk, event)
 
-    def _piece(self, store: torch.Tensor, plan: torch.Tensor, count: int, topk: int) -> torch.Tensor:
-        """Words of `count` chunks, copied into a fresh page-locked tensor (on the stream)."""
+    def _piece(self, store: torch.Tensor, slots: list[int], rows: list[int], topk: int) -> _Piece:
+        """Launch the words of up to BUCKETS[-1] chunks (on the stream)."""
+        count = len(slots)
         graph = self._graph_for(count, store, topk) if self.use_graphs else None
         if graph is None:
+            plan = device_index([slots, rows], self.device)
             words = proof_words(store.index_select(0, plan[0]), plan[1], topk)
-        else:
-            torch.index_select(store, 0, plan[0], out=graph.chunks[:count])
-            graph.rows[:count].copy_(plan[1])
-            graph.graph.replay()
-            words = graph.words[:count]
-        host = torch.empty(words.shape, dtype=words.dtype, pin_memory=True)
-        host.copy_(words, non_blocking=True)
-        return host
+            host = torch.empty(words.shape, dtype=words.dtype, pin_memory=True)
+            host.copy_(words, non_blocking=True)
+            return _Piece(host, count)
+        bucket, width = graph.words.shape
+        free = self._free.setdefault((bucket, width), [])
+        buffers = free.pop() if free else _Buffers(bucket, width, store.shape[1])
+        buffers.plan_view[0, :count] = slots
+        buffers.plan_view[0, count:] = 0  # a padding slot from an earlier job may lie past this store
+        buffers.plan_view[1, :count] = rows
+        graph.plan.copy_(buffers.plan, non_blocking=True)
+        graph.graph.replay()
+        buffers.words.copy_(graph.words, non_blocking=True)
+        return _Piece(buffers.words, count, buffers, free)
 
     def _graph_for(self, count: int, store: torch.Tensor, topk: int) -> Optional[_Graph]:
+        identity = (store.data_ptr(), tuple(store.shape))
+        if identity != self._store:  # a new store tensor (the store grew): the graphs read the old one
+            self._graphs.clear()
+            self._pool = None  # their memory pool goes with them; a released pool cannot be captured into
+            self._store = identity
         bucket = next(b for b in BUCKETS if b >= count)
-        key = (bucket, topk, tuple(store.shape[1:]))
-        graph = self._graphs.get(key)
+        graph = self._graphs.get((bucket, topk))
         if graph is None:
             try:
-                graph = self._graphs[key] = self._capture(bucket, store, topk)
+                graph = self._graphs[(bucket, topk)] = self._capture(bucket, store, topk)
             except Exception as exc:  # noqa: BLE001 - a graph is an optimisation: go on without
                 logger.warning("TOPLOC proof graphs disabled, proofs run op by op: %r", exc)
                 self.use_graphs = False
@@ -147,17 +197,22 @@ class DeviceProver:
         return graph
 
     def _capture(self, bucket: int, store: torch.Tensor, topk: int) -> _Graph:
-        """Capture `proof_words` for `bucket` chunks, on this stream only: the serving loop's
-        other streams go on (thread-local capture, no device-wide synchronisation)."""
-        chunks = torch.zeros((bucket, *store.shape[1:]), dtype=store.dtype, device=self.device)
-        rows = torch.full((bucket,), store.shape[1], dtype=torch.int64, device=self.device)
-        proof_words(chunks, rows, topk)  # warm-up: lazily built tables and library handles
+        """Capture the gather and `proof_words` for `bucket` chunks of `store`, on this stream
+        only: the serving loop's other streams go on (thread-local capture, no device-wide
+        synchronisation)."""
+        plan = torch.zeros((2, bucket), dtype=torch.int64, device=self.device)
+        plan[1] = store.shape[1]
+
+        def job() -> torch.Tensor:
+            return proof_words(store.index_select(0, plan[0]), plan[1], topk)
+
+        job()  # warm-up: lazily built tables and library handles
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
         try:
-            words = proof_words(chunks, rows, topk)
+            words = job()
         finally:
             graph.capture_end()
-        return _Graph(chunks, rows, words, graph)
+        return _Graph(plan, words, graph)

@@ -245,18 +245,21 @@ def _lagrange_coefficients(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return coeffs.to(torch.int64)
 
 
-def _pack(moduli: torch.Tensor, coeffs: torch.Tensor) -> list[bytes]:
-    """toploc's byte layout: u16 big-endian modulus, then the coefficients (CPU int64 inputs).
+def _pack(moduli: torch.Tensor | np.ndarray, coeffs: torch.Tensor | np.ndarray) -> list[bytes]:
+    """toploc's byte layout: u16 big-endian modulus, then the coefficients (CPU integer inputs).
     Every proof is checked here, in one pass over the job, as the fingerprint decoder checks an
     untrusted one (a modulus in [k, PRIME], coefficients below PRIME): the server's own
-    fingerprints are then encoded without re-reading each proof in Python."""
+    fingerprints are then encoded without re-reading each proof in Python. In numpy: a job's
+    handful of whole-array operations cost the serving thread a few microseconds each, where
+    torch's CPU dispatch costs several times that."""
+    moduli, coeffs = np.asarray(moduli), np.asarray(coeffs)
     batch, k = coeffs.shape
-    if batch and not (bool(((moduli >= k) & (moduli <= PRIME)).all())
-                      and bool(((coeffs >= 0) & (coeffs < PRIME)).all())):
+    if batch and not (k <= moduli.min() and moduli.max() <= PRIME and 0 <= coeffs.min() and coeffs.max() < PRIME):
         raise ValueError("a proof came out with a modulus or a coefficient out of range")
-    words = torch.cat([moduli.unsqueeze(1), coeffs], dim=1)
-    packed = torch.stack([words >> 8, words & 0xFF], dim=2).to(torch.uint8).reshape(batch, -1)
-    raw = packed.numpy().tobytes()
+    words = np.empty((batch, 1 + k), dtype=">u2")
+    words[:, 0] = moduli
+    words[:, 1:] = coeffs
+    raw = words.tobytes()
     width = proof_num_bytes(k)
     return [raw[row * width : (row + 1) * width] for row in range(batch)]
 
@@ -312,14 +315,16 @@ def proof_words(chunks: torch.Tensor, rows: torch.Tensor, topk: int) -> torch.Te
 def proofs_from_words(words: torch.Tensor, topk: int) -> list[bytes]:
     """toploc proofs from `proof_words` output on the host; a row without a fixed-candidate
     modulus is proven here from its indices and values, with the full modulus search."""
-    moduli, coeffs = words[:, 0].clone(), words[:, 1 : 1 + topk].clone()
-    missing = (moduli == 0).nonzero().flatten()
-    if missing.numel():
-        indices = words[missing, 1 + topk : 1 + 2 * topk]
-        bits = words[missing, 1 + 2 * topk :]
+    host = words.numpy()
+    moduli, coeffs = host[:, 0], host[:, 1 : 1 + topk]
+    missing = np.flatnonzero(moduli == 0)
+    if missing.size:
+        moduli, coeffs = moduli.copy(), coeffs.copy()  # `words` may be a buffer its prover reuses
+        indices = torch.from_numpy(host[missing, 1 + topk : 1 + 2 * topk])
+        bits = torch.from_numpy(host[missing, 1 + 2 * topk :])
         found = _injective_moduli(indices)
-        moduli[missing] = found
-        coeffs[missing] = _newton_coefficients(indices % found.unsqueeze(1), bits % PRIME)
+        moduli[missing] = found.numpy()
+        coeffs[missing] = _newton_coefficients(indices % found.unsqueeze(1), bits % PRIME).numpy()
     return _pack(moduli, coeffs)
 
 
