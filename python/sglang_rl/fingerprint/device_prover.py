@@ -8,7 +8,7 @@ per piece of up to 64 chunks: the job's plan (slots and row counts) goes to the 
 page-locked memory, one CUDA graph gathers those chunks from the store and runs `proof_words`,
 the words come back to page-locked memory, and an event marks the end. `ready()` polls that
 event; `proofs()` turns the words into toploc's bytes. Under EAGLE the scheduler thread is what
-bounds the server, and each torch call costs it 10-20 us, so the gather is inside the graph (a
+bounds the server, and each torch call costs it 10-30 us, so the gather is inside the graph (a
 graph is captured per store tensor, and again if the store grows) and the page-locked buffers
 are reused once their job has been read. Everything runs on one side stream, so a slot of the
 store may be written again as soon as the job that reads it has been launched.
@@ -182,6 +182,8 @@ class DeviceProver:
     def _graph_for(self, count: int, store: torch.Tensor, topk: int) -> Optional[_Graph]:
         identity = (store.data_ptr(), tuple(store.shape))
         if identity != self._store:  # a new store tensor (the store grew): the graphs read the old one
+            if self._graphs:  # a replay may still run: its graph and memory pool go when it is done
+                self.stream.synchronize()  # (a store grows a handful of times in a server's life)
             self._graphs.clear()
             self._pool = None  # their memory pool goes with them; a released pool cannot be captured into
             self._store = identity
