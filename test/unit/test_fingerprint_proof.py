@@ -267,3 +267,7 @@ def test_packing_refuses_a_proof_out_of_range() -> None:
         proof_module._pack(torch.tensor([PRIME, 0]), coeffs)
     with pytest.raises(ValueError, match="out of range"):
         proof_module._pack(moduli, torch.tensor([[1, 2], [3, PRIME]]))
+    with pytest.raises(ValueError, match="out of range"):
+        proof_module._pack(moduli, torch.tensor([[1, -1], [3, 4]]))  # would wrap to 65535 as u16
+    with pytest.raises(ValueError, match="out of range"):
+        proof_module._pack(torch.tensor([PRIME, 1]), coeffs)  # a modulus below k
