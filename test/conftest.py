@@ -24,33 +24,59 @@ def model_path() -> str:
     return str(ensure_default_model())
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now and never handed out before in this session (the OS may give a port
+    that was just closed to the next caller, and servers start in parallel)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
+
+
+PORT_TAKEN = "error while attempting to bind on address"
+"""uvicorn's log line when the HTTP port was taken between `free_port` and the bind (by another
+test server's own sglang ports, say, while servers start together); the rest of that server
+keeps running without an HTTP front, so it is stopped and started again on another port."""
+PORT_ATTEMPTS = 3
+
+
+class _PortTaken(RuntimeError):
+    pass
 
 
 class Server:
     """A `python -m sglang.launch_server` process on the CPU, stopped by `stop()`."""
 
     def __init__(self, model: str, *extra: str, env: dict | None = None, log_name: str = "server") -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         log_dir = Path(os.environ.get("SGLANG_RL_TEST_LOGS", "/tmp/sglang-rl-test-logs"))
         log_dir.mkdir(parents=True, exist_ok=True)
-        self.log_path = log_dir / f"{log_name}-{self.port}.log"
-        cmd = [
-            sys.executable, "-m", "sglang.launch_server", "--model-path", model,
-            "--device", "cpu", "--attention-backend", "torch_native",
-            "--max-total-tokens", "16384", "--dtype", "float32",
-            "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning",
-            *extra,
-        ]
-        full_env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", **(env or {})}
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
-                                     start_new_session=True)
-        self._wait_healthy()
+        for attempt in range(PORT_ATTEMPTS):
+            self.port = free_port()
+            self.url = f"http://127.0.0.1:{self.port}"
+            self.log_path = log_dir / f"{log_name}-{self.port}.log"
+            cmd = [
+                sys.executable, "-m", "sglang.launch_server", "--model-path", model,
+                "--device", "cpu", "--attention-backend", "torch_native",
+                "--max-total-tokens", "16384", "--dtype", "float32",
+                "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning",
+                *extra,
+            ]
+            full_env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", **(env or {})}
+            self._log = open(self.log_path, "w")
+            self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
+                                         start_new_session=True)
+            try:
+                self._wait_healthy()
+                return
+            except _PortTaken:
+                if attempt == PORT_ATTEMPTS - 1:
+                    raise
 
     def _wait_healthy(self, timeout: float = 420.0) -> None:
         deadline = time.time() + timeout
@@ -58,13 +84,28 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited early, see {self.log_path}:\n{self.log_path.read_text()[-3000:]}")
             try:
-                if requests.get(self.url + "/health_generate", timeout=30).status_code == 200:
+                if (requests.get(self.url + "/health_generate", timeout=30).status_code == 200
+                        and self._listens()):
                     return
             except requests.RequestException:
                 pass
+            if PORT_TAKEN in self.log_path.read_text():
+                self.stop()
+                raise _PortTaken(f"port {self.port} was taken before the server bound it, see {self.log_path}")
             time.sleep(2)
         self.stop()
         raise RuntimeError(f"server not healthy after {timeout}s, see {self.log_path}")
+
+    def _listens(self) -> bool:
+        """Whether the answer on the port came from this server (its process listens there), not
+        from whatever took the port first."""
+        import psutil
+
+        try:
+            connections = psutil.Process(self.proc.pid).net_connections(kind="tcp")
+        except psutil.Error:
+            return False
+        return any(c.status == psutil.CONN_LISTEN and c.laddr.port == self.port for c in connections)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
