@@ -51,25 +51,9 @@ def _no_job(future: Any, parts: list, topk: int, finish: Any) -> None:
     future.set_result(finish([b""] * len(parts)))
 
 
-def _high_priority_prover() -> Any:
-    """`_prover` with the proof stream at the device's highest priority."""
-    import torch
-
-    from sglang_rl.adapters import toploc
-    from sglang_rl.fingerprint.device_prover import DeviceProver
-
-    device = toploc._selection_device()
-    if device is None:
-        return None
-    prover = toploc._provers.get(device)
-    if prover is None:
-        stream = torch.cuda.Stream(device=device, priority=-100)  # clamped to the highest
-        prover = toploc._provers[device] = DeviceProver(device, stream)
-    return prover
-
-
 def register() -> None:
-    """Entry point: replace the switched-off part with a no-op."""
+    """Entry point: replace the switched-off part with a no-op (or raise the proof stream's
+    priority)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     part = os.environ.get("SGLANG_RL_TOPLOC_ABLATION")
@@ -84,7 +68,9 @@ def register() -> None:
     elif part == "no_finish":
         HookRegistry.register(f"{TOPLOC}.finish_builders", _nothing_held, HookType.REPLACE)
     elif part == "high_priority":
-        HookRegistry.register(f"{TOPLOC}._prover", _high_priority_prover, HookType.REPLACE)
+        from sglang_rl.adapters import toploc
+
+        toploc.PROOF_STREAM_PRIORITY = -100  # clamped to the device's highest
     elif part:
         raise ValueError(f"SGLANG_RL_TOPLOC_ABLATION={part!r}: expected one of "
                          "no_builders, no_rows, no_jobs, no_finish, high_priority")

@@ -278,6 +278,10 @@ _store = RowStore()
 _device: Optional[torch.device] = None
 _device_known = False
 _provers: dict[torch.device, DeviceProver] = {}
+PROOF_STREAM_PRIORITY = 0
+"""Priority of the proof stream (lower is higher; torch clamps it to the device's range). The
+default: on an H100 the highest made no job finish sooner beside a forward (docs/benchmarks.md);
+the TOPLOC ablation plugin raises it to measure that."""
 
 
 def _selection_device() -> Optional[torch.device]:
@@ -308,7 +312,8 @@ def _prover() -> Optional[DeviceProver]:
         return None
     prover = _provers.get(device)
     if prover is None:
-        prover = _provers[device] = DeviceProver(device, torch.cuda.Stream(device=device))
+        stream = torch.cuda.Stream(device=device, priority=PROOF_STREAM_PRIORITY)
+        prover = _provers[device] = DeviceProver(device, stream)
     return prover
 
 
