@@ -56,6 +56,7 @@ class Server:
     def __init__(self, model: str, *extra: str, env: dict | None = None, log_name: str = "server") -> None:
         log_dir = Path(os.environ.get("SGLANG_RL_TEST_LOGS", "/tmp/sglang-rl-test-logs"))
         log_dir.mkdir(parents=True, exist_ok=True)
+        full_env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", **(env or {})}
         for attempt in range(PORT_ATTEMPTS):
             self.port = free_port()
             self.url = f"http://127.0.0.1:{self.port}"
@@ -67,7 +68,6 @@ class Server:
                 "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning",
                 *extra,
             ]
-            full_env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", **(env or {})}
             self._log = open(self.log_path, "w")
             self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
                                          start_new_session=True)
