@@ -55,7 +55,7 @@ def per_step_us(requests: int, hidden: int, spec: bool, steps: int, repeats: int
         adapter._pending = (adapter.PendingProofs() if on_gpu
                             else adapter.PendingProofs(max_chunks=10**9, max_steps=10**9))
         adapter._store = adapter.RowStore()
-        adapter._store.data = data
+        adapter._store._set_data(data)
         adapter._store._free = list(range(slots - 1, -1, -1))
         reqs = []
         for i in range(requests):

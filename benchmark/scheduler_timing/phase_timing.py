@@ -42,9 +42,17 @@ RL_PHASES = {
     "rl.proof_launch": "sglang_rl.fingerprint.device_prover.DeviceProver.launch",
     "rl.finish_builders": f"{RL}.finish_builders",
     "rl.release_finished": f"{RL}.release_finished",
+    "rl.proofs_read": "sglang_rl.fingerprint.device_prover.LaunchedProofs.proofs",
+    "rl.fingerprint": f"{RL}.FingerprintBuilder.fingerprint",
+    "rl.hidden_rows": "sglang_rl.adapters.scheduler._hidden_rows",
+    "rl.finish_rows": "sglang_rl.adapters.scheduler._finish_rows",
+    "rl.stream_held": "sglang_rl.adapters.scheduler._stream_held",
 }
 """sglang-rl's TOPLOC work inside the phases above (they nest: the store's write and flush run
-inside add_builder_rows, a launch inside either), timed when sglang-rl is installed."""
+inside add_builder_rows, a launch inside either; a job's read-back and the fingerprints' encoding
+inside release_finished; finish_builders inside _finish_rows, with the other finishing rows'
+work), timed when sglang-rl is installed. Module functions are timed where the plugin calls them
+through their module (its own hook table holds the hook functions themselves)."""
 LONG_S = 0.02
 """A call longer than this is a one-off (a kernel compiled or a CUDA graph captured on first use,
 a warm-up batch) and is counted apart, so the steady per-step cost is not swamped by them."""

@@ -23,6 +23,7 @@ import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
+import numpy as np
 import torch
 
 from sglang.srt.managers.schedule_batch import FINISH_ABORT
@@ -127,7 +128,7 @@ def _new_job() -> Future:
     return DeviceJob() if _prover() is not None else Future()
 
 
-STAGED_STEPS = 4
+STAGED_STEPS = 8
 """Decode steps whose rows a GPU server's row store writes together (the rows wait on the device,
 ~2 MB a step for 64 requests at 4096 under speculative decoding); a CPU store writes every step."""
 
@@ -143,9 +144,12 @@ class RowStore:
 
     def __init__(self) -> None:
         self.data: Optional[torch.Tensor] = None
+        self._words: Optional[torch.Tensor] = None  # data's flat rows as int32 words (even H)
         self._free: list[int] = []
         self._lent: dict[Future, list[int]] = {}  # slots a proof job still reads, by job
         self._staged: list[tuple[torch.Tensor, list[int]]] = []  # decode steps not yet written
+        self._quarantined: list[int] = []  # freed while rows were staged: free after the next flush
+        self._in_flight: list[tuple[Any, list[torch.Tensor]]] = []  # (event, rows) of GPU writes
         self.staged_steps: Optional[int] = None  # decode steps written together; None: by device
 
     @property
@@ -154,10 +158,12 @@ class RowStore:
         return 0 if self.data is None else self.data.shape[0] - 1
 
     def acquire(self, hidden_size: int) -> int:
-        if not self._free:  # slots lent to jobs come back when the free ones run out
+        if not self._free:  # slots lent to jobs or freed while rows were staged come back first
             self.reclaim()
+            if self._quarantined:
+                self.flush()
         if self.data is None:
-            self.data = self._allocate(64, hidden_size)
+            self._set_data(self._allocate(64, hidden_size))
             self._free = list(range(63, -1, -1))
         if not self._free:
             self.flush()  # staged rows go to the discard slot of the tensor they were indexed for
@@ -165,9 +171,14 @@ class RowStore:
             grown = self._allocate(2 * old, hidden_size)
             with _on_proof_stream():
                 grown[:old].copy_(self.data[:old])
-            self.data = grown  # a proof job still reading the old tensor keeps it alive
+            self._set_data(grown)  # a proof job still reading the old tensor keeps it alive
             self._free = list(range(2 * old - 1, old - 1, -1))
         return self._free.pop()
+
+    def _set_data(self, data: torch.Tensor) -> None:
+        self.data = data
+        flat = data.view(-1, data.shape[-1])
+        self._words = flat.view(torch.int32) if flat.shape[-1] % 2 == 0 else None
 
     def reclaim(self) -> None:
         """Free the slots of jobs that no longer read them (few jobs, many slots: each job is
@@ -185,11 +196,11 @@ class RowStore:
 
     def release(self, slot: int, reader: Optional[Future] = None) -> None:
         """Free a slot; one that a pending proof job (`reader`) still reads is freed after it.
-        A slot freed at once may hold staged rows (an aborted request's): they are written
-        first, so that they can never land after the rows of the slot's next owner."""
+        A slot freed while rows are staged (an aborted request's may be among them) is handed
+        out again only after they are written, so that they can never land after the rows of
+        the slot's next owner (an indexed copy writes duplicate rows in no set order)."""
         if reader is None:
-            self.flush()
-            self._free.append(slot)
+            (self._quarantined if self._staged else self._free).append(slot)
         elif _reads_done(reader):
             self._free.append(slot)
         else:
@@ -235,24 +246,32 @@ class RowStore:
         self._copy([rows], index, picks)
 
     def flush(self) -> None:
-        """Write the staged steps' rows: one concatenation and one indexed copy."""
+        """Write the staged steps' rows (one concatenation and one indexed copy); slots freed
+        meanwhile can then be handed out again."""
         if self._staged:
             staged, self._staged = self._staged, []
-            self._copy([rows for rows, _ in staged], [i for _, index in staged for i in index])
+            index = np.fromiter(itertools.chain.from_iterable(i for _, i in staged), np.int64,
+                                sum(len(i) for _, i in staged))
+            self._copy([rows for rows, _ in staged], index)
+        if self._quarantined:
+            self._free.extend(self._quarantined)
+            self._quarantined = []
 
-    def _copy(self, parts: list[torch.Tensor], index: list[int], picks: Optional[list[int]] = None) -> None:
+    def _copy(self, parts: list[torch.Tensor], index: list[int] | np.ndarray,
+              picks: Optional[list[int]] = None) -> None:
         """data's flat rows `index` = the rows of `parts`, concatenated (only rows `picks` of
         them when given). On a GPU server this runs on the proof stream, after the current
-        stream's work; page-locked host rows cross in one asynchronous copy. An even hidden size
-        is copied as int32 words, two bf16 each: the same bits, and on the CPU twice as fast."""
+        stream's work; page-locked host rows cross in one asynchronous copy. Device rows made on
+        another stream are kept (not handed back to their stream's allocator) until an event
+        says the copy has read them: one event instead of a `record_stream` per step. An even
+        hidden size is copied as int32 words, two bf16 each: the same bits, and on the CPU twice
+        as fast."""
         device = self.data.device
         producer = torch.cuda.current_stream() if parts[0].is_cuda else None
         with _on_proof_stream():
             if producer is not None:
-                stream = torch.cuda.current_stream()
-                stream.wait_stream(producer)
-                for part in parts:  # its memory is not handed out again before this stream read it
-                    part.record_stream(stream)
+                producer_rows = parts
+                torch.cuda.current_stream().wait_stream(producer)
             rows = parts[0] if len(parts) == 1 else torch.cat(parts)
             if picks is not None:
                 rows = pick_rows(rows, picks)
@@ -260,10 +279,22 @@ class RowStore:
                 rows = rows.to(device, non_blocking=True)
             if rows.dtype != torch.bfloat16:
                 rows = rows.to(torch.bfloat16)
-            flat = self.data.view(-1, self.data.shape[-1])
-            if flat.shape[-1] % 2 == 0:
-                flat, rows = flat.view(torch.int32), rows.contiguous().view(torch.int32)
+            if self._words is not None:
+                flat, rows = self._words, rows.contiguous().view(torch.int32)
+            else:
+                flat = self.data.view(-1, self.data.shape[-1])
             flat.index_copy_(0, device_index(index, device), rows)
+            if producer is not None:
+                self._hold(producer_rows)
+
+    def _hold(self, rows: list[torch.Tensor]) -> None:
+        """Keep `rows` until the copy just issued on the proof stream has read them (writes
+        before it are let go once their events have passed)."""
+        while self._in_flight and self._in_flight[0][0].query():
+            self._in_flight.pop(0)
+        event = torch.cuda.Event()
+        event.record()
+        self._in_flight.append((event, rows))
 
 
 def pick_rows(rows: torch.Tensor, picks: list[int] | range) -> torch.Tensor:
@@ -460,13 +491,16 @@ class PendingProofs:
 
     def take(self, chunks: list[_Chunk]) -> list[_Chunk]:
         """Remove those of `chunks` still queued (their owner proves them, or needs no proof);
-        returns them, in order. They no longer wait for a job; slots lent to the job stay lent
-        until `settle` or the job, so the owner can still read them."""
-        if not self.queue or not chunks:
+        returns them, in the order given. They no longer wait for a job; slots lent to the job
+        stay lent until `settle` or the job, so the owner can still read them. A queued chunk is
+        one whose job is the queue's future, so a request with nothing queued (most of those
+        finishing together, once the first has taken the batch's chunks) costs no queue scan."""
+        future = self.future
+        if future is None:
             return []
-        wanted = {id(c) for c in chunks}
-        taken = [c for c in self.queue if id(c) in wanted]
+        taken = [c for c in chunks if c.job is future]
         if taken:
+            wanted = {id(c) for c in taken}
             self.queue = [c for c in self.queue if id(c) not in wanted]
             for chunk in taken:
                 chunk.job = None

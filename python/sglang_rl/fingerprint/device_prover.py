@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
+import numpy as np
 import torch
 
 from sglang_rl.fingerprint.proof import build_chunk_proofs, proof_words, proofs_from_words
@@ -33,12 +34,14 @@ BUCKETS = (8, 16, 32, 64)
 """Chunk counts with a graph of their own; a job is split into pieces of at most the largest."""
 
 
-def device_index(values: list, device: torch.device) -> torch.Tensor:
-    """An int64 tensor of `values` on `device`, copied there without the host waiting (from
-    page-locked memory, on the current stream)."""
+def device_index(values: Sequence | np.ndarray, device: torch.device) -> torch.Tensor:
+    """An int64 tensor of `values` (a list, nested lists or an array) on `device`, copied there
+    without the host waiting (from page-locked memory, on the current stream). numpy reads a
+    list of ints in less than half the time `torch.tensor` takes (~20 against ~55 us for 1024)."""
+    host = torch.from_numpy(np.asarray(values, dtype=np.int64))
     if device.type == "cpu":
-        return torch.tensor(values, dtype=torch.long)
-    return torch.tensor(values, dtype=torch.long, pin_memory=True).to(device, non_blocking=True)
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 class _Buffers:
