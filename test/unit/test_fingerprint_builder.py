@@ -77,7 +77,7 @@ def fingerprint_of(builder, n_rows: int) -> list[bytes]:
     tail = builder.tail(n_rows)
     last = None
     if tail is not None:
-        slot, rows = tail
+        slot, rows = tail.slot, tail.rows
         last = build_chunk_proofs([adapter._store.data[slot, :rows].cpu()], TOPK)[0]
     fp = decode_fingerprint(builder.finish(last), expected_topk=TOPK)
     assert fp.n_rows == n_rows
@@ -209,13 +209,14 @@ def posted_proofs(req: SimpleNamespace) -> list[bytes]:
     return list(decode_fingerprint(fingerprint, expected_topk=TOPK).proofs)
 
 
-def test_finishing_requests_prove_their_own_queued_chunks_and_leave_the_others_queued(
+def test_finishing_requests_join_the_pending_job_which_starts_within_finish_steps(
     monkeypatch: pytest.MonkeyPatch, proof_path: str,
 ) -> None:
-    """A request that finishes takes its full chunks out of the pending job and proves them with
-    its last partial chunk; the job of the others is neither started nor waited for, and slots
-    lent to it stay lent until it has run."""
-    pending = adapter.PendingProofs(max_chunks=100, max_steps=100)
+    """Finishing requests' last partial chunks join the pending job with everyone's queued full
+    chunks; the job starts `finish_steps` steps later (steps without rows count too), the
+    requests are held until then, and slots lent to the job stay lent until it has run. With
+    nothing left to run (`release_finished(wait=True)`) the job starts at once."""
+    pending = adapter.PendingProofs(max_chunks=100, max_steps=100, finish_steps=3)
     monkeypatch.setattr(adapter, "_pending", pending)
     gen = torch.Generator().manual_seed(10)
     lengths = [40, 70, 33, 75]
@@ -229,20 +230,27 @@ def test_finishing_requests_prove_their_own_queued_chunks_and_leave_the_others_q
 
     first = [_finishing(40), _finishing(70)]
     assert adapter.finish_builders(list(zip(builders[:2], first))) == first
-    assert adapter.release_finished(wait=True) == first
-    assert [posted_proofs(r) for r in first] == [toploc_proofs(rows[0]), toploc_proofs(rows[1])]
-    assert len(pending.queue) == 3 and pending.future is job and not job.done()
-    # the retired slot moved with its chunk to the finishing requests' job, which has run
-    assert retired.slot not in adapter._store._lent.get(job, [])
-    if proof_path == "proof thread":
-        assert retired.slot not in adapter._store._free
-
-    pending.flush(TOPK)
+    assert len(pending.queue) == 8 and pending.future is job  # their two tails joined the job
+    for _ in range(2):
+        adapter.add_builder_rows([], torch.zeros(0, HIDDEN), TOPK)
+        assert pending.future is job and adapter.release_finished() == [] and adapter.holds_requests()
+    assert retired.slot not in adapter._store._free
+    adapter.add_builder_rows([], torch.zeros(0, HIDDEN), TOPK)  # the third step: started
+    assert pending.future is None and not pending.queue
     job.result(timeout=30)
-    rest = [_finishing(33), _finishing(75)]
-    adapter.finish_builders(list(zip(builders[2:], rest)))
+    assert adapter.release_finished() == first and not adapter.holds_requests()
+    assert [posted_proofs(r) for r in first] == [toploc_proofs(rows[0]), toploc_proofs(rows[1])]
+    adapter._store.reclaim()
+    assert retired.slot in adapter._store._free  # the job has run: the slot is back
+
+    more = [torch.randn(20, HIDDEN, generator=gen) for _ in range(2)]
+    feed(builders[2:], [[1] * 20] * 2, more)  # 53 and 95 rows: a full chunk queued in a new job
+    rest = [_finishing(53), _finishing(95)]
+    assert adapter.finish_builders(list(zip(builders[2:], rest))) == rest
+    assert pending.future is not None
     assert adapter.release_finished(wait=True) == rest
-    assert [posted_proofs(r) for r in rest] == [toploc_proofs(rows[2]), toploc_proofs(rows[3])]
+    assert [posted_proofs(r) for r in rest] == [toploc_proofs(torch.cat([rows[2], more[0]])),
+                                                toploc_proofs(torch.cat([rows[3], more[1]]))]
     assert pending.future is None and not pending.queue
 
 
@@ -320,20 +328,23 @@ def _refuse_double_targets(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(adapter.RowStore, "_copy", checked)
 
 
-@pytest.mark.parametrize("max_steps", [1, 16])
+@pytest.mark.parametrize("max_steps,finish_steps", [(1, 0), (16, 4)])
 def test_random_traffic_gives_toploc_proofs_and_returns_every_slot(
-    monkeypatch: pytest.MonkeyPatch, max_steps: int, proof_path: str,
+    monkeypatch: pytest.MonkeyPatch, max_steps: int, finish_steps: int, proof_path: str,
 ) -> None:
     """Requests arrive, commit runs of rows, finish at their own steps (some cut inside their last
     run) or are aborted: every posted fingerprint equals toploc's proofs of the request's returned
-    rows, and once all are gone every row slot is back in the store."""
+    rows, and once all are gone every row slot is back in the store. Finished requests are
+    released as their proofs come (none waited for), at the latest `finish_steps` + 1 steps
+    later."""
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
-    monkeypatch.setattr(adapter, "_pending", adapter.PendingProofs(max_steps=max_steps))
+    monkeypatch.setattr(adapter, "_pending", adapter.PendingProofs(max_steps=max_steps, finish_steps=finish_steps))
     _refuse_double_targets(monkeypatch)
     rng = random.Random(max_steps)
     gen = torch.Generator().manual_seed(max_steps)
     live: list[dict] = []
+    held: list[dict] = []
     finished = 0
     for _ in range(300):
         while len(live) < 24 and rng.random() < 0.5:
@@ -344,6 +355,8 @@ def test_random_traffic_gives_toploc_proofs_and_returns_every_slot(
             adapter.add_builder_rows([r["builder"] for r in live], block, TOPK, counts)
             for r, piece in zip(live, block.split(counts)):
                 r["rows"].append(piece)
+        else:  # a step without fingerprinted rows still counts towards the job's deadline
+            adapter.add_builder_rows([], torch.zeros(0, HIDDEN), TOPK)
         ending = [r for r in live if sum(len(p) for p in r["rows"]) >= r["target"] or rng.random() < 0.02]
         items = []
         for r in ending:
@@ -353,14 +366,28 @@ def test_random_traffic_gives_toploc_proofs_and_returns_every_slot(
                                        output_ids_through_stop=[0] * r["returned"], rid="r")
             items.append((r["builder"], r["req"]))
         adapter.finish_builders(items)
-        adapter.release_finished(wait=True)
         for r in ending:
             if r["abort"]:
                 assert not hasattr(r["req"], transport._PENDING_ATTR)
             else:
+                r["held_steps"] = 0
+                held.append(r)
+        adapter._proof_executor().submit(lambda: None).result(timeout=30)  # started jobs have run
+        released = {id(req) for req in adapter.release_finished()}
+        for r in held:
+            if id(r["req"]) in released:
                 assert posted_proofs(r["req"]) == toploc_proofs(torch.cat(r["rows"])[: r["returned"]])
                 finished += 1
+            else:
+                assert not hasattr(r["req"], transport._PENDING_ATTR)
+                r["held_steps"] += 1
+                assert r["held_steps"] <= finish_steps + 1, "a finished request waited past its job's deadline"
+        held = [r for r in held if id(r["req"]) not in released]
         live = [r for r in live if r not in ending]
+    released = {id(req) for req in adapter.release_finished(wait=True)}
+    assert released == {id(r["req"]) for r in held}
+    for r in held:
+        assert posted_proofs(r["req"]) == toploc_proofs(torch.cat(r["rows"])[: r["returned"]])
     for r in live:
         r["builder"].release()
     assert finished > 100

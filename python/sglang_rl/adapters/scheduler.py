@@ -250,7 +250,7 @@ def decode_result_around(original: Callable, processor: Any, batch: Any, result:
                 builders.append(state)
                 starts.append(i * stride)
                 counts.append(accepted[i] if accepted is not None else 1)
-        if builders:
+        if builders or toploc.holds_requests():  # a step of the pending job's count even without rows
             toploc.add_builder_rows(builders, hidden, _topk(), counts, starts)
         if collectors:
             hidden_states.add_decode_rows(collectors, _private_host_rows(hidden, processor))

@@ -6,9 +6,10 @@ chunks, so the scheduler loop never waits on top-k or interpolation. On a GPU se
 on the GPU and the scheduler thread launches each job there itself, as a replayed CUDA graph on a
 side stream (`DeviceJob`, `fingerprint/device_prover.py`), and picks up the proofs when they are
 back; on a CPU server a background thread builds them from the host store. When requests finish,
-one more job proves their last partial chunks and their chunks still queued; their outputs are
-held until it is done (`finish_builders`, `release_finished`), then each fingerprint (all proofs,
-one container string) is posted to its response.
+their last partial chunks join the pending job, which then starts within a few steps (at once
+with nothing left to run); their outputs are held until their proofs are built
+(`finish_builders`, `release_finished`), then each fingerprint (all proofs, one container
+string) is posted to its response.
 
 Verification: a prefill-only request carrying a fingerprint captures its prefill rows (FULL mode
 for that request only); once its prefill is done, rows [L-1, L-1+n) - the rows that produced the
@@ -131,6 +132,9 @@ def _new_job() -> Future:
 STAGED_STEPS = 8
 """Decode steps whose rows a GPU server's row store writes together (the rows wait on the device,
 ~2 MB a step for 64 requests at 4096 under speculative decoding); a CPU store writes every step."""
+FINISH_STEPS = 4
+"""Decode steps a GPU server's finishing requests may wait for the shared proof job to start
+(`PendingProofs.due`); with no batch left to run it starts at once (`release_finished`)."""
 
 
 class RowStore:
@@ -205,16 +209,6 @@ class RowStore:
             self._free.append(slot)
         else:
             self._lent.setdefault(reader, []).append(slot)
-
-    def relend(self, slot: int, reader: Optional[Future], new_reader: Future) -> None:
-        """A slot lent to `reader` is now read by `new_reader` (a chunk moved to another job)."""
-        lent = self._lent.get(reader) if reader is not None else None
-        if lent is None or slot not in lent:
-            return
-        lent.remove(slot)
-        if not lent:
-            del self._lent[reader]
-        self._lent.setdefault(new_reader, []).append(slot)
 
     def write(self, runs: list[tuple[int, int, int]], rows: torch.Tensor, kept: int) -> None:
         """Store the step's rows: each run (start, first, count) puts rows[start : start + count]
@@ -362,14 +356,16 @@ def _on_proof_stream() -> Any:
 
 
 class _Chunk:
-    """A full chunk of one request: its row slot, the job that will read it (the pending job's
-    future, set when the chunk is queued) and its proof once built. `released`: the slot went
-    back to the store (freed once that job is done, so its rows stay readable until then)."""
+    """A chunk of one request: its row slot and row count (32 but for the last chunk of a
+    finished request), the job that will read it (the pending job's future, set when the chunk
+    is queued) and its proof once built. `released`: the slot went back to the store (freed
+    once that job is done, so its rows stay readable until then)."""
 
-    __slots__ = ("slot", "job", "proof", "released")
+    __slots__ = ("slot", "rows", "job", "proof", "released")
 
-    def __init__(self, slot: int) -> None:
+    def __init__(self, slot: int, rows: int = CHUNK_ROWS) -> None:
         self.slot = slot
+        self.rows = rows
         self.job: Optional[Future] = None
         self.proof: Optional[bytes] = None
         self.released = False
@@ -412,9 +408,9 @@ class FingerprintBuilder:
             _store.release(chunk.slot, chunk.job)
             chunk.released = True
 
-    def tail(self, n_rows: int) -> Optional[tuple[int, int]]:
-        """The last, partial chunk of a fingerprint over the first `n_rows` rows as (slot, rows
-        in it), None if there is none; its rows stay in the store until `finish` or `release`. A
+    def tail(self, n_rows: int) -> Optional[_Chunk]:
+        """The last, partial chunk of a fingerprint over the first `n_rows` rows, None if there
+        is none; its rows stay in the store until `fingerprint` or `release`. A
         speculative step's run of rows may go past the request's end (sglang cuts the tokens with
         finished_len): those rows are dropped here, also from the newest full chunk, which then
         becomes the partial one."""
@@ -428,16 +424,18 @@ class FingerprintBuilder:
         self.rows_seen = n_rows
         if excess <= self.fill:
             keep = self.fill - excess
-            return (self.slot, keep) if keep else None
+            return _Chunk(self.slot, keep) if keep else None
         self._cut = self.chunks.pop()
         _pending.take([self._cut])
         keep = CHUNK_ROWS - (excess - self.fill)
-        return (self._cut.slot, keep) if keep else None
+        return _Chunk(self._cut.slot, keep) if keep else None
 
     def finish(self, last_proof: Optional[bytes]) -> str:
-        """The fingerprint string of this builder alone, waiting for the proofs of its full chunks
-        (`finish_builders` proves those of a whole batch, and its tails, in one job)."""
-        prove_queued([self]).result()
+        """The fingerprint string of this builder alone, starting the pending job at once if it
+        holds any of its full chunks (`finish_builders` does the same for a batch, and proves
+        its last chunks there too)."""
+        if any(chunk.job is _pending.future for chunk in self.chunks):
+            _pending.flush()
         return self.fingerprint(last_proof)
 
     def fingerprint(self, last_proof: Optional[bytes]) -> str:
@@ -465,29 +463,49 @@ class FingerprintBuilder:
 
 
 class PendingProofs:
-    """Full chunks waiting for their proof job. Chunks fill a few at a time (every step under
-    speculative decoding), and every job costs the proof thread a fixed few dozen kernel launches
-    and host ops that compete with the scheduler for the GIL, so chunks are gathered into one job
-    of up to `max_chunks` chunks, started at the latest `max_steps` steps after its first chunk
-    (default: 16 on a GPU server; 1 on a CPU server, where a proof costs per chunk, in numpy,
-    rather than per job, so holding chunks back only makes finishing outputs wait longer).
-    A finishing request takes its own queued chunks out into the job of its last partial chunk
-    (`prove_queued`), so it neither waits for nor starts the others' job. A queued chunk
-    knows its job's future at once: its slot stays lent until that job is done."""
+    """Chunks waiting for their proof job. Chunks fill a few at a time (every step under
+    speculative decoding), and every job costs the scheduler thread a flush of the staged rows,
+    a launch and a read-back (a few hundred us on a GPU server's host, whatever its size), so
+    chunks are gathered into one job of up to `max_chunks` chunks, started at the latest
+    `max_steps` steps after its first chunk (default: 16 on a GPU server; 1 on a CPU server,
+    where a proof costs per chunk, in numpy, rather than per job, so holding chunks back only
+    makes finishing outputs wait longer). The last, partial chunks of finishing requests join
+    the same job, which then starts within `finish_steps` steps (default: 4 on a GPU server, at
+    once on a CPU server; `due`): requests finish a few at a time over many steps, and a job of
+    their own at each of those steps cost more host time than the rest of TOPLOC together. A
+    queued chunk knows its job's future at once: its slot stays lent until that job is done."""
 
-    def __init__(self, max_chunks: int = 64, max_steps: Optional[int] = None) -> None:
+    def __init__(self, max_chunks: int = 64, max_steps: Optional[int] = None,
+                 finish_steps: Optional[int] = None) -> None:
         self.max_chunks = max_chunks
         self.max_steps = max_steps
+        self.finish_steps = finish_steps
         self.future: Optional[Future] = None
         self.queue: list[_Chunk] = []
+        self.topk = 0
         self._steps = 0
+        self._due: Optional[int] = None  # the step by which finishing requests need the job
 
-    def add(self, chunk: _Chunk) -> None:
-        """Queue a full chunk for the next job."""
+    def add(self, chunk: _Chunk, topk: int) -> None:
+        """Queue a chunk for the next job."""
         if self.future is None:
-            self.future, self.queue, self._steps = _new_job(), [], 0
+            self.future, self.queue, self._steps, self._due = _new_job(), [], 0, None
+        self.topk = topk
         chunk.job = self.future
         self.queue.append(chunk)
+
+    def due(self) -> None:
+        """Finishing requests wait for the queued job: start it within `finish_steps` steps."""
+        if self.future is None:
+            return
+        steps = self.finish_steps
+        if steps is None:
+            steps = FINISH_STEPS if _selection_device() is not None else 0
+        if steps <= 0:
+            self.flush()
+            return
+        due = self._steps + steps
+        self._due = due if self._due is None else min(self._due, due)
 
     def take(self, chunks: list[_Chunk]) -> list[_Chunk]:
         """Remove those of `chunks` still queued (their owner proves them, or needs no proof);
@@ -512,16 +530,17 @@ class PendingProofs:
             self.future.set_result(None)
             self.future = None
 
-    def step(self, topk: int) -> None:
-        """End of a scheduler step: start the job if it is full or old enough."""
+    def step(self) -> None:
+        """End of a scheduler step: start the job if it is full, old enough or due."""
         if self.future is None:
             return
         self._steps += 1
         max_steps = self.max_steps or (16 if _selection_device() is not None else 1)
-        if len(self.queue) >= self.max_chunks or self._steps >= max_steps:
-            self.flush(topk)
+        if (len(self.queue) >= self.max_chunks or self._steps >= max_steps
+                or (self._due is not None and self._steps >= self._due)):
+            self.flush()
 
-    def flush(self, topk: int) -> None:
+    def flush(self) -> None:
         """Start the job of the queued chunks now."""
         future, chunks = self.future, self.queue
         if future is None:
@@ -534,7 +553,7 @@ class PendingProofs:
             for chunk, proof in zip(chunks, proofs):
                 chunk.proof = proof
 
-        _start(future, [(chunk.slot, CHUNK_ROWS) for chunk in chunks], topk, assign)
+        _start(future, [(chunk.slot, chunk.rows) for chunk in chunks], self.topk, assign)
 
 
 _pending = PendingProofs()
@@ -568,33 +587,6 @@ def _start(future: Future, parts: list[tuple[int, int]], topk: int,
     _proof_executor().submit(job)
 
 
-def prove_queued(builders: list[FingerprintBuilder], tails: Optional[list[tuple[int, int]]] = None) -> Future:
-    """Start one proof job for the builders' full chunks still queued for a job (they take them
-    out of it) and for `tails` ((slot, rows) of partial chunks); its future gives the tails'
-    proofs. Once it is done each of the builders' chunks has its proof (a thread job runs after
-    every job started before it; a device job's chunks were all launched before it). Slots the
-    taken chunks lent to the queued job stay lent, now to this one."""
-    queued_in = _pending.future
-    queued = _pending.take([chunk for b in builders for chunk in b.chunks])
-    tails = tails or []
-    future = _new_job()
-    for chunk in queued:
-        if chunk.released:
-            _store.relend(chunk.slot, queued_in, future)
-    _pending.settle()
-    if not queued and not tails:
-        future.set_result([])
-        return future
-
-    def assign(proofs: list[bytes]) -> list[bytes]:
-        for chunk, proof in zip(queued, proofs):
-            chunk.proof = proof
-        return proofs[len(queued):]
-
-    _start(future, [(c.slot, CHUNK_ROWS) for c in queued] + tails, builders[0].topk, assign)
-    return future
-
-
 def add_builder_rows(builders: list[FingerprintBuilder], rows: torch.Tensor, topk: int,
                      counts: Optional[list[int]] = None, starts: Optional[list[int]] = None) -> None:
     """Append rows to builders: builder i takes the run rows[starts[i] : starts[i] + counts[i]]
@@ -603,7 +595,8 @@ def add_builder_rows(builders: list[FingerprintBuilder], rows: torch.Tensor, top
     write; chunks filled in it join the pending proof job (`PendingProofs`), which reads their
     rows from the store itself (the scheduler copies nothing). This runs for every request at
     every step, so a run that stays inside its chunk (most of them) takes the short path."""
-    if not builders:
+    if not builders:  # a step all the same: finishing requests may wait for the pending job
+        _pending.step()
         return
     counts = counts or [1] * len(builders)
     if starts is None:
@@ -626,39 +619,37 @@ def add_builder_rows(builders: list[FingerprintBuilder], rows: torch.Tensor, top
             count -= take
             b.fill += take
             if b.fill == CHUNK_ROWS:
-                _pending.add(b.chunk_filled(hidden))  # queued at once: its slot is lent from here on
+                _pending.add(b.chunk_filled(hidden), topk)  # queued at once: its slot is lent from here on
     _store.write(runs, rows, sum(counts))
-    _pending.step(topk)
+    _pending.step()
 
 
 class FinishingBatch:
-    """Requests that finished in one output batch, held back from streaming until the one proof
-    job of their last partial chunks and still-queued full chunks is done, so that the step in
-    which they finish never waits for proofs. `release` then posts each fingerprint."""
+    """Requests that finished in one output batch, held back from streaming until the proofs of
+    all their chunks are built, so that the step in which they finish never waits for proofs.
+    Their last partial chunks joined the shared pending job; `ready` looks at the few jobs their
+    chunks are in, and `release` then posts each fingerprint."""
 
-    def __init__(self, kept: list[tuple[FingerprintBuilder, Any, bool]], job: Future) -> None:
-        self.kept = kept  # (builder, req, whether it has a partial last chunk)
-        self.job = job
+    def __init__(self, kept: list[tuple[FingerprintBuilder, Any, Optional[_Chunk]]]) -> None:
+        self.kept = kept  # (builder, req, its last partial chunk, if any)
+        self.jobs = {chunk.job for builder, _, tail in kept for chunk in (*builder.chunks, tail)
+                     if chunk is not None and chunk.proof is None and chunk.job is not None}
 
     @property
     def reqs(self) -> list[Any]:
         return [req for _, req, _ in self.kept]
 
+    def ready(self) -> bool:
+        """Whether every job that builds these requests' proofs is done."""
+        return all(job.done() for job in self.jobs)
+
     def release(self) -> list[Any]:
-        """Post the fingerprints (waiting for the job if it still runs); returns the requests."""
-        try:
-            built = iter(self.job.result())
-        except Exception as exc:  # noqa: BLE001 - never the scheduler's end: these responses go without
-            logger.error("no fingerprints for %d finishing requests: %r", len(self.kept), exc)
-            for builder, _, _ in self.kept:
-                builder.release()
-            return self.reqs
-        for builder, req, has_tail in self.kept:
-            last = next(built) if has_tail else None
+        """Post the fingerprints (waiting for jobs still running); returns the requests."""
+        for builder, req, tail in self.kept:
             try:
-                fingerprint = builder.fingerprint(last)
-            except FingerprintError as exc:  # never the scheduler's end: this response goes without
-                logger.error("no fingerprint for request %s: %s", req.rid, exc)
+                fingerprint = builder.fingerprint(tail.wait() if tail is not None else None)
+            except Exception as exc:  # noqa: BLE001 - never the scheduler's end: this response goes without
+                logger.error("no fingerprint for request %s: %r", req.rid, exc)
                 builder.release()
                 continue
             transport.post(req, **{FINGERPRINTS_FIELD: [fingerprint]})
@@ -670,12 +661,11 @@ _held: list[FinishingBatch] = []
 
 def finish_builders(items: list[tuple[FingerprintBuilder, Any]]) -> list[Any]:
     """Start the fingerprints of requests finishing in one output batch: each covers exactly the
-    request's returned output ids. Their last partial chunks and their full chunks still queued
-    for a job are proven together, in one job of the proof thread; other requests' queued chunks
-    stay queued. Returns the requests held back until that job is done (`release_finished`
-    posts their fingerprints); aborted requests and those without output get none and are not
-    held."""
-    tails, kept = [], []
+    request's returned output ids. Their last partial chunks join the pending job with the full
+    chunks still queued, which then starts within a few steps (`PendingProofs.due`). Returns the
+    requests held back until their proofs are built (`release_finished` posts their
+    fingerprints); aborted requests and those without output get none and are not held."""
+    kept = []
     for builder, req in items:
         if isinstance(req.finished_reason, FINISH_ABORT):
             builder.release()
@@ -691,29 +681,29 @@ def finish_builders(items: list[tuple[FingerprintBuilder, Any]]) -> list[Any]:
             builder.release()
             continue
         if tail is not None:
-            tails.append(tail)
-        kept.append((builder, req, tail is not None))
+            _pending.add(tail, builder.topk)
+        builder.done = True  # no more rows; a later output batch holding the request again skips it
+        kept.append((builder, req, tail))
     if not kept:
         return []
-    try:
-        job = prove_queued([b for b, _, _ in kept], tails)
-    except Exception as exc:  # noqa: BLE001 - never the scheduler's end: these responses go without
-        logger.error("no fingerprints for %d finishing requests: %r", len(kept), exc)
-        for builder, _, _ in kept:
-            builder.release()
-        return []
-    for builder, _, _ in kept:
-        builder.done = True  # no more rows; a later output batch holding the request again skips it
-    batch = FinishingBatch(kept, job)
+    batch = FinishingBatch(kept)
     _held.append(batch)
+    if _pending.future in batch.jobs:
+        try:
+            _pending.due()
+        except Exception as exc:  # noqa: BLE001 - never the scheduler's end: the held requests report it
+            logger.error("the proof job of %d finishing requests failed to start: %r", len(kept), exc)
     return batch.reqs
 
 
 def release_finished(wait: bool = False) -> list[Any]:
-    """Requests held by `finish_builders` whose proofs are done (all of them with `wait`), oldest
-    first, with their fingerprints posted: they are ready to stream."""
+    """Requests held by `finish_builders` whose proofs are done (all of them with `wait`, which
+    first starts the pending job they may be waiting for), oldest first, with their
+    fingerprints posted: they are ready to stream."""
+    if wait and _held:
+        _pending.flush()
     ready: list[Any] = []
-    while _held and (wait or _held[0].job.done()):
+    while _held and (wait or _held[0].ready()):
         ready += _held.pop(0).release()
     return ready
 
