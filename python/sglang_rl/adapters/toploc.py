@@ -434,7 +434,8 @@ class FingerprintBuilder:
         """The fingerprint string of this builder alone, starting the pending job at once if it
         holds any of its full chunks (`finish_builders` does the same for a batch, and proves
         its last chunks there too)."""
-        if any(chunk.job is _pending.future for chunk in self.chunks):
+        queued_in = _pending.future
+        if queued_in is not None and any(chunk.job is queued_in for chunk in self.chunks):
             _pending.flush()
         return self.fingerprint(last_proof)
 
@@ -511,8 +512,8 @@ class PendingProofs:
         """Remove those of `chunks` still queued (their owner proves them, or needs no proof);
         returns them, in the order given. They no longer wait for a job; slots lent to the job
         stay lent until `settle` or the job, so the owner can still read them. A queued chunk is
-        one whose job is the queue's future, so a request with nothing queued (most of those
-        finishing together, once the first has taken the batch's chunks) costs no queue scan."""
+        one whose job is the queue's future, so a request with nothing queued (most requests
+        that give their slots back) costs no queue scan."""
         future = self.future
         if future is None:
             return []
