@@ -150,14 +150,16 @@ def test_a_gpu_schedule_holds_a_finished_output_four_steps_at_most_and_none_when
 ) -> None:
     """With a GPU server's finish_steps (4) the last chunk of a finished request waits in the
     shared job: decode steps count even when no request left has rows to fingerprint, the job
-    starts at the fourth and the output then goes out; with nothing to launch it starts at once."""
+    starts at the fourth (prefill steps count too) and the output then goes out; with nothing to
+    launch it starts at once."""
     monkeypatch.setattr(adapter, "_pending", adapter.PendingProofs(max_chunks=100, max_steps=100, finish_steps=4))
     args = SimpleNamespace(toploc_verification=True, return_hidden_states_mode=None, drafter_cotrain=False,
                            toploc_verification_topk=TOPK)
     monkeypatch.setattr(scheduler, "get_server_args", lambda: args)
-    processor = SimpleNamespace(server_args=args)
+    processor = SimpleNamespace(server_args=args, is_generation=True)
     no_rows = SimpleNamespace(reqs=[], return_hidden_states=True)
     result = SimpleNamespace(copy_done=None, speculative_num_draft_tokens=None, accept_lens=None,
+                             extend_input_len_per_req=[],
                              logits_output=SimpleNamespace(hidden_states=torch.zeros(0, HIDDEN)))
     gen = torch.Generator().manual_seed(6)
     a, rows_a = _fed("a", 45, gen)
@@ -167,11 +169,14 @@ def test_a_gpu_schedule_holds_a_finished_output_four_steps_at_most_and_none_when
     assert out == [] and adapter.holds_requests()
     job = adapter._pending.future
     assert job is not None and len(adapter._pending.queue) == 2  # a's full chunk and its last 13 rows
-    for _ in range(4):
+    for step in range(4):
         assert adapter._pending.future is job
         scheduler.next_batch_after(_plan(object()), fake)
         assert sent == []
-        scheduler.decode_result_around(lambda *_: None, processor, no_rows, result)
+        if step % 2:  # a prefill of requests without fingerprints (verifications, say) counts too
+            scheduler.prefill_result_around(lambda *_: None, processor, no_rows, result)
+        else:
+            scheduler.decode_result_around(lambda *_: None, processor, no_rows, result)
     assert adapter._pending.future is None  # started at the fourth step
     job.result(timeout=30)
     scheduler.next_batch_after(_plan(object()), fake)

@@ -212,7 +212,7 @@ def prefill_result_around(original: Callable, processor: Any, batch: Any, result
             elif isinstance(state, toploc.FingerprintBuilder) and req.inflight_middle_chunks <= 0:
                 builders.append(state)
                 last_rows.append(hi - 1)
-        if builders:
+        if builders or toploc.holds_requests():  # a prefill step counts towards held outputs' deadline too
             toploc.add_builder_rows(builders, hidden, _topk(), starts=last_rows)
     return original(processor, batch, result)
 
