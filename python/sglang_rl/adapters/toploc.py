@@ -133,8 +133,9 @@ STAGED_STEPS = 8
 """Decode steps whose rows a GPU server's row store writes together (the rows wait on the device,
 ~2 MB a step for 64 requests at 4096 under speculative decoding); a CPU store writes every step."""
 FINISH_STEPS = 4
-"""Decode steps a GPU server's finishing requests may wait for the shared proof job to start
-(`PendingProofs.due`); with no batch left to run it starts at once (`release_finished`)."""
+"""Scheduler steps (decode or prefill) a GPU server's finishing requests may wait for the shared
+proof job to start (`PendingProofs.due`); with no batch left to run it starts at once
+(`release_finished`)."""
 
 
 class RowStore:
