@@ -265,7 +265,6 @@ class RowStore:
         producer = torch.cuda.current_stream() if parts[0].is_cuda else None
         with _on_proof_stream():
             if producer is not None:
-                producer_rows = parts
                 torch.cuda.current_stream().wait_stream(producer)
             rows = parts[0] if len(parts) == 1 else torch.cat(parts)
             if picks is not None:
@@ -280,7 +279,7 @@ class RowStore:
                 flat = self.data.view(-1, self.data.shape[-1])
             flat.index_copy_(0, device_index(index, device), rows)
             if producer is not None:
-                self._hold(producer_rows)
+                self._hold(parts)
 
     def _hold(self, rows: list[torch.Tensor]) -> None:
         """Keep `rows` until the copy just issued on the proof stream has read them (writes
