@@ -6,8 +6,8 @@ the overlap scheduler cannot hide when it is bound by the host.
 On the CPU no proof job runs (jobs are held back), so the table is the Python and the row copy
 that every step pays. With `--device cuda` the store and the step's rows are on the GPU, as on a
 GPU server that fingerprints (`copy_to_cpu_around` keeps the rows there), writes are staged as
-there, and proof jobs are launched as there (every 16 steps or 64 chunks), so the table is the
-host time of the whole device path per step, launches included.
+there, and proof jobs are launched as there (every `JOB_STEPS` steps or `JOB_CHUNKS` chunks), so
+the table is the host time of the whole device path per step, launches included.
 
     python benchmark/bench_decode_hook.py                 # 64 requests, hidden 4096
     python benchmark/bench_decode_hook.py --hidden 1024   # the small EAGLE pair's width

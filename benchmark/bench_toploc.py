@@ -17,12 +17,21 @@ modes: one process of a mode ran 16k tok/s and the next 23k on the same H100. `-
 the modes R times, alternating (off, on, off, on, ...); the table then pools each mode's timed
 runs over its R processes, and `round_ratios` gives on/off of each adjacent pair and their
 geometric mean.
+
+`--paired` runs one TOPLOC process instead, whose timed runs alternate (off, on, off, on, ...):
+in an "off" run no request gets a fingerprint builder (the benchmark-only `paired` variant of
+`toploc_ablation/`, which must be on PYTHONPATH; the server-wide capture mode stays, which the
+ablation of docs/benchmarks.md found costs nothing measurable). Drift between processes then
+cancels, and each shape's line gives on/off of every adjacent pair and their median:
+
+    PYTHONPATH=$PYTHONPATH:benchmark/toploc_ablation python benchmark/bench_toploc.py --eagle --paired ...
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -62,12 +71,13 @@ def engine_for(args: argparse.Namespace, toploc: bool):
     return sgl.Engine(**kw, toploc_verification=toploc)
 
 
-def timed_shape(llm, shape: tuple[int, int, int], runs: int) -> dict:
-    """Median and spread of output tok/s over `runs` timed batches of one shape."""
+def timed_shape(llm, shape: tuple[int, int, int], runs: int, warm_up: bool = True) -> dict:
+    """Output tok/s of `runs` timed batches of one shape, after an untimed one (`warm_up`)."""
     num, prompt_len, output_len = shape
     prompts = random_prompts(num, prompt_len, seed=prompt_len * 7 + num)
     sp = {"max_new_tokens": output_len, "temperature": 0, "ignore_eos": True}
-    llm.generate(input_ids=prompts, sampling_params=sp)  # untimed: graphs, allocator, caches
+    if warm_up:
+        outs = llm.generate(input_ids=prompts, sampling_params=sp)  # untimed: graphs, allocator, caches
     rates, spec_steps = [], 0
     for _ in range(runs):
         llm.flush_cache()
@@ -81,6 +91,52 @@ def timed_shape(llm, shape: tuple[int, int, int], runs: int) -> dict:
         "fingerprinted": sum("toploc_verification_fingerprints" in o["meta_info"] for o in outs),
         "tokens_per_step": round(tokens / spec_steps, 2) if spec_steps else "",
     }
+
+
+PAIRED_FLAG = "/tmp/sglang-rl-bench-toploc-paired-off"
+
+
+def paired_shape(llm, shape: tuple[int, int, int], pairs: int) -> dict:
+    """`pairs` adjacent (off, on) timed runs of one shape in one TOPLOC process: off while the
+    flag file exists (no request gets a builder). Checks that the switch took: off runs carry no
+    fingerprint, on runs one per request."""
+    timed_shape(llm, shape, 0)  # untimed, as every mode's first batch
+    rates: dict[str, list[float]] = {"off": [], "on": []}
+    try:
+        for _ in range(pairs):
+            for mode in ("off", "on"):
+                if mode == "off":
+                    Path(PAIRED_FLAG).touch()
+                elif os.path.exists(PAIRED_FLAG):
+                    os.remove(PAIRED_FLAG)
+                cell = timed_shape(llm, shape, 1, warm_up=False)
+                want = 0 if mode == "off" else shape[0]
+                if cell["fingerprinted"] != want:
+                    raise SystemExit(f"--paired: a {mode} run fingerprinted {cell['fingerprinted']} of {shape[0]} "
+                                     "requests (is benchmark/toploc_ablation on PYTHONPATH?)")
+                rates[mode] += cell["rates"]
+    finally:
+        if os.path.exists(PAIRED_FLAG):
+            os.remove(PAIRED_FLAG)
+    return {"off": rates["off"], "on": rates["on"], "tokens_per_step": cell["tokens_per_step"]}
+
+
+def run_paired(args: argparse.Namespace) -> list[dict]:
+    """One TOPLOC process, its timed runs alternating between off and on (`paired_shape`)."""
+    os.environ["SGLANG_RL_TOPLOC_ABLATION"] = "paired"
+    os.environ["SGLANG_RL_TOPLOC_PAIRED_FLAG"] = PAIRED_FLAG
+    llm = engine_for(args, toploc=True)
+    lines = []
+    for text in args.shapes:
+        cell = paired_shape(llm, parse_shape(text), args.timed_runs)
+        ratios = [on / off for off, on in zip(cell["off"], cell["on"])]
+        lines.append({"shape": text, "off_median": round(statistics.median(cell["off"]), 1),
+                      "on_median": round(statistics.median(cell["on"]), 1),
+                      "pair_ratios": " ".join(f"{r:.3f}" for r in ratios),
+                      "median_pair_ratio": round(statistics.median(ratios), 3),
+                      "tokens_per_step": cell["tokens_per_step"]})
+    llm.shutdown()
+    return lines
 
 
 def run_mode(args: argparse.Namespace, mode: str) -> dict:
@@ -189,8 +245,16 @@ def main() -> None:
     p.add_argument("--disable-cuda-graph", action="store_true",
                    help="both modes without CUDA graphs (the GPU kit lacks deep_gemm, which EAGLE's draft "
                         "graph capture imports)")
+    p.add_argument("--paired", action="store_true",
+                   help="one TOPLOC process whose timed runs alternate off/on (--timed-runs pairs per shape)")
     p.add_argument("--one-mode", help=argparse.SUPPRESS)
     args = p.parse_args() if "--eagle" in sys.argv else parse_with_model(p)
+    if args.paired:
+        lines = run_paired(args)
+        print(f"\nTOPLOC on vs off in one process, {args.timed_runs} adjacent (off, on) pairs per shape")
+        print_table(lines, ["shape", "off_median", "on_median", "median_pair_ratio", "pair_ratios",
+                            "tokens_per_step"])
+        return
     if args.one_mode:
         print("RESULT " + json.dumps(run_mode(args, args.one_mode)), flush=True)
         return

@@ -12,9 +12,12 @@ Found only when this folder is on PYTHONPATH; `SGLANG_RL_TOPLOC_ABLATION` picks 
 * `no_finish`: the full chunks' proof jobs run as when on, but finishing requests start no job of
   their own and are not held.
 
-And one variant that switches nothing off:
+And variants that switch nothing off:
 
-* `high_priority`: the proof jobs run on a stream of the device's highest priority.
+* `high_priority`: the proof jobs run on a stream of the device's highest priority;
+* `paired`: a request gets no fingerprint builder while the file named by
+  `SGLANG_RL_TOPLOC_PAIRED_FLAG` exists (as `no_builders`), so one process can alternate its timed
+  runs between TOPLOC on and, in effect, off (`bench_toploc.py --paired`).
 
     PYTHONPATH=$PYTHONPATH:benchmark/toploc_ablation SGLANG_RL_TOPLOC_ABLATION=no_rows \\
         python benchmark/bench_toploc.py ... --modes on
@@ -30,6 +33,13 @@ TOPLOC = "sglang_rl.adapters.toploc"
 
 def _no_builder(*args: Any, **kwargs: Any) -> None:
     return None
+
+
+def _paired(original: Any, *args: Any, **kwargs: Any) -> Any:
+    """`state_for_request` while the flag file is absent; no builder while it exists."""
+    if os.path.exists(os.environ["SGLANG_RL_TOPLOC_PAIRED_FLAG"]):
+        return None
+    return original(*args, **kwargs)
 
 
 def _no_rows(*args: Any, **kwargs: Any) -> None:
@@ -67,10 +77,12 @@ def register() -> None:
         HookRegistry.register(f"{TOPLOC}.finish_builders", _nothing_held, HookType.REPLACE)
     elif part == "no_finish":
         HookRegistry.register(f"{TOPLOC}.finish_builders", _nothing_held, HookType.REPLACE)
+    elif part == "paired":
+        HookRegistry.register(f"{TOPLOC}.state_for_request", _paired, HookType.AROUND)
     elif part == "high_priority":
         from sglang_rl.adapters import toploc
 
         toploc.PROOF_STREAM_PRIORITY = -100  # clamped to the device's highest
     elif part:
         raise ValueError(f"SGLANG_RL_TOPLOC_ABLATION={part!r}: expected one of "
-                         "no_builders, no_rows, no_jobs, no_finish, high_priority")
+                         "no_builders, no_rows, no_jobs, no_finish, high_priority, paired")

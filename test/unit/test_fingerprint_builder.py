@@ -46,13 +46,15 @@ def feed(builders: list, runs: list[list[int]], rows: list[torch.Tensor]) -> Non
         counts = [runs[i][step] for i in active]
         own = [rows[i][taken[i] : taken[i] + c] for i, c in zip(active, counts)]
         if step % 2:
-            adapter.add_builder_rows([builders[i] for i in active], torch.cat(own), TOPK, counts)
+            adapter.add_builder_rows([builders[i] for i in active], adapter.keep_rows(torch.cat(own)), TOPK,
+                                     counts)
         else:
             block = 1e4 * torch.randn(len(active) * STRIDE, HIDDEN)
             for n, run in enumerate(own):
                 block[n * STRIDE : n * STRIDE + len(run)] = run
             starts = [n * STRIDE for n in range(len(active))]
-            adapter.add_builder_rows([builders[i] for i in active], block, TOPK, counts, starts)
+            adapter.add_builder_rows([builders[i] for i in active], adapter.keep_rows(block), TOPK, counts,
+                                     starts)
         for i, c in zip(active, counts):
             taken[i] += c
 
@@ -78,6 +80,7 @@ def fingerprint_of(builder, n_rows: int) -> list[bytes]:
     last = None
     if tail is not None:
         slot, rows = tail.slot, tail.rows
+        adapter._store.flush()  # as the job that reads the tail would, first
         last = build_chunk_proofs([adapter._store.data[slot, :rows].cpu()], TOPK)[0]
     fp = decode_fingerprint(builder.finish(last), expected_topk=TOPK)
     assert fp.n_rows == n_rows
@@ -168,7 +171,8 @@ def test_the_store_grows_under_staged_steps(monkeypatch: pytest.MonkeyPatch) -> 
     def step(builders: list, own: list[torch.Tensor]) -> None:
         block = 1e4 * torch.randn(2 * len(own), HIDDEN, generator=gen)
         block[0::2] = torch.stack(own)
-        adapter.add_builder_rows(builders, block, TOPK, [1] * len(own), list(range(0, len(block), 2)))
+        adapter.add_builder_rows(builders, adapter.keep_rows(block), TOPK, [1] * len(own),
+                                 list(range(0, len(block), 2)))
 
     first = [adapter.FingerprintBuilder(TOPK) for _ in range(40)]
     for i in range(2):
@@ -181,6 +185,27 @@ def test_the_store_grows_under_staged_steps(monkeypatch: pytest.MonkeyPatch) -> 
         assert fingerprint_of(builder, 3) == toploc_proofs(r)
     for builder, r in zip(later, rows[40:]):
         assert fingerprint_of(builder, 1) == toploc_proofs(r[:1])
+
+
+def test_rows_not_kept_are_written_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A staged store stages only rows of `keep_rows` (a private copy). Other rows, like a
+    forward's own output buffer that the next forward overwrites, are written in their step:
+    here the buffer is overwritten after every step, and the proofs are still those of the rows
+    it held."""
+    monkeypatch.setattr(adapter, "_store", adapter.RowStore())
+    monkeypatch.setattr(adapter, "_pending", adapter.PendingProofs())
+    adapter._store.staged_steps = 3
+    gen = torch.Generator().manual_seed(5)
+    rows = torch.randn(40, 4, HIDDEN, generator=gen)  # 40 decode steps of 4 requests
+    builders = [adapter.FingerprintBuilder(TOPK) for _ in range(4)]
+    buffer = torch.empty(4, HIDDEN)
+    for step in rows:
+        buffer.copy_(step)
+        adapter.add_builder_rows(builders, buffer, TOPK)
+        buffer.normal_(generator=gen)  # the next forward's output lands in the same buffer
+    assert not adapter._store._staged
+    for i, builder in enumerate(builders):
+        assert fingerprint_of(builder, 40) == toploc_proofs(rows[:, i])
 
 
 def test_a_job_starts_when_old_enough(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -319,11 +344,11 @@ def _refuse_double_targets(monkeypatch: pytest.MonkeyPatch) -> None:
     for a slot that has a new owner; on the CPU the later value happens to win."""
     copy = adapter.RowStore._copy
 
-    def checked(store, parts, index, picks=None):
+    def checked(store, parts, index, picks=None, wait=True):
         discard = (store.data.shape[0] - 1) * adapter.CHUNK_ROWS
         kept = [i for i in index if i < discard]
         assert len(kept) == len(set(kept)), "a store write names a row twice"
-        return copy(store, parts, index, picks)
+        return copy(store, parts, index, picks, wait)
 
     monkeypatch.setattr(adapter.RowStore, "_copy", checked)
 
@@ -352,7 +377,7 @@ def test_random_traffic_gives_toploc_proofs_and_returns_every_slot(
         counts = [rng.choice((1, 1, 3, 4)) for _ in live]
         if live:
             block = torch.randn(sum(counts), HIDDEN, generator=gen).to(torch.bfloat16)
-            adapter.add_builder_rows([r["builder"] for r in live], block, TOPK, counts)
+            adapter.add_builder_rows([r["builder"] for r in live], adapter.keep_rows(block), TOPK, counts)
             for r, piece in zip(live, block.split(counts)):
                 r["rows"].append(piece)
         else:  # a step without fingerprinted rows still counts towards the job's deadline

@@ -148,7 +148,7 @@ def copy_to_cpu_around(original: Callable, result: Any, return_logprob: bool = F
     rows = getattr(result.logits_output, "hidden_states", None) if return_hidden_states else None
     if (rows is not None and rows.device == toploc.store_device()
             and _rows_only_fingerprinted(get_server_args())):
-        result.logits_output.hidden_states = rows.clone()
+        result.logits_output.hidden_states = toploc.keep_rows(rows)
         return_hidden_states = False
     return original(result, return_logprob, return_hidden_states)
 

@@ -129,9 +129,17 @@ def _new_job() -> Future:
     return DeviceJob() if _prover() is not None else Future()
 
 
-STAGED_STEPS = 8
-"""Decode steps whose rows a GPU server's row store writes together (the rows wait on the device,
-~2 MB a step for 64 requests at 4096 under speculative decoding); a CPU store writes every step."""
+JOB_STEPS = 32
+"""Scheduler steps a GPU server's proof job waits for more chunks at most (`PendingProofs`)."""
+JOB_CHUNKS = 256
+"""Chunks that start a GPU server's proof job at once (four graph pieces of 64)."""
+STAGED_STEPS = JOB_STEPS
+"""Decode steps whose rows a GPU server's row store writes together at most (the rows wait on
+the device, ~2 MB a step for 64 requests at 4096 under speculative decoding); a CPU store writes
+every step. A proof job flushes the store before it starts, so staging as many steps as a job
+waits leaves the flushes to the jobs: each costs the scheduler thread a few hundred us."""
+STAGED_BYTES = 64 << 20
+"""Staged rows a GPU server's store writes once they reach this size, whatever their steps."""
 FINISH_STEPS = 4
 """Scheduler steps (decode or prefill) a GPU server's finishing requests may wait for the shared
 proof job to start (`PendingProofs.due`); with no batch left to run it starts at once
@@ -153,6 +161,7 @@ class RowStore:
         self._free: list[int] = []
         self._lent: dict[Future, list[int]] = {}  # slots a proof job still reads, by job
         self._staged: list[tuple[torch.Tensor, list[int]]] = []  # decode steps not yet written
+        self._staged_bytes = 0
         self._quarantined: list[int] = []  # freed while rows were staged: free after the next flush
         self._in_flight: list[tuple[Any, list[torch.Tensor]]] = []  # (event, rows) of GPU writes
         self.staged_steps: Optional[int] = None  # decode steps written together; None: by device
@@ -216,19 +225,24 @@ class RowStore:
         at flat rows first.. (slot * 32 + row in chunk); `kept` is the runs' rows in all.
 
         When most rows are kept (a decode step) all of them go in one scatter, those no run takes
-        to the discard slot. Rows already on the store's device are staged instead, and the
-        staged steps written together (`flush`) every `staged_steps` steps, or before anything
-        reads the store or hands a slot out again: each write costs the scheduler thread a few
-        launches. Else (a prefill's last rows) the kept rows are gathered and written at once."""
+        to the discard slot. Rows of `keep_rows` on the store's device (a private, finished copy)
+        are staged instead, and the staged steps written together (`flush`) every
+        `staged_steps` steps (or `STAGED_BYTES`), or before a proof job reads the store or a slot
+        is handed out again: each write costs the scheduler thread a few launches. Other rows (a
+        forward's own output, which the next forward may overwrite) are written at once, after
+        the current stream's work. Else (a prefill's last rows) the kept rows are gathered and
+        written at once."""
+        own = getattr(rows, KEPT_ATTR, False)
         if 2 * kept >= rows.shape[0]:
             discard = (self.data.shape[0] - 1) * CHUNK_ROWS
             index = [discard] * rows.shape[0]
             for start, first, count in runs:
                 index[start : start + count] = range(first, first + count)
             steps = self.staged_steps or (STAGED_STEPS if self.data.is_cuda else 1)
-            if steps > 1 and rows.device == self.data.device:
+            if steps > 1 and own and rows.device == self.data.device:
                 self._staged.append((rows, index))
-                if len(self._staged) >= steps:
+                self._staged_bytes += rows.numel() * rows.element_size()
+                if len(self._staged) >= steps or self._staged_bytes >= STAGED_BYTES:
                     self.flush()
                 return
             picks = None
@@ -238,31 +252,35 @@ class RowStore:
                 picks.extend(range(start, start + count))
                 index.extend(range(first, first + count))
         self.flush()
-        self._copy([rows], index, picks)
+        self._copy([rows], index, picks, wait=not own)
 
     def flush(self) -> None:
         """Write the staged steps' rows (one concatenation and one indexed copy); slots freed
         meanwhile can then be handed out again."""
         if self._staged:
-            staged, self._staged = self._staged, []
+            staged, self._staged, self._staged_bytes = self._staged, [], 0
             index = np.fromiter(itertools.chain.from_iterable(i for _, i in staged), np.int64,
                                 sum(len(i) for _, i in staged))
-            self._copy([rows for rows, _ in staged], index)
+            self._copy([rows for rows, _ in staged], index, wait=False)
         if self._quarantined:
             self._free.extend(self._quarantined)
             self._quarantined = []
 
     def _copy(self, parts: list[torch.Tensor], index: list[int] | np.ndarray,
-              picks: Optional[list[int]] = None) -> None:
+              picks: Optional[list[int]] = None, wait: bool = True) -> None:
         """data's flat rows `index` = the rows of `parts`, concatenated (only rows `picks` of
         them when given). On a GPU server this runs on the proof stream, after the current
-        stream's work; page-locked host rows cross in one asynchronous copy. Device rows made on
-        another stream are kept (not handed back to their stream's allocator) until an event
-        says the copy has read them: one event instead of a `record_stream` per step. An even
-        hidden size is copied as int32 words, two bf16 each: the same bits, and on the CPU twice
-        as fast."""
+        stream's work when `wait`. Rows of `keep_rows` need no wait: they are finished before
+        the host reads the step's results, and sglang's scheduler stream is ordered behind the
+        forward it has just launched, so waiting for it would hold every flush and proof job, and
+        the outputs that end a burst, behind that whole forward. Page-locked host rows cross in
+        one asynchronous copy. Device rows made on another stream are kept (not handed back to
+        their stream's allocator) until an event says the copy has read them: one event instead
+        of a `record_stream` per step. An even hidden size is copied as int32 words, two bf16
+        each: the same bits, and on the CPU twice as fast."""
         device = self.data.device
-        producer = torch.cuda.current_stream() if parts[0].is_cuda else None
+        on_device = parts[0].is_cuda
+        producer = torch.cuda.current_stream() if on_device and wait else None
         with _on_proof_stream():
             if producer is not None:
                 torch.cuda.current_stream().wait_stream(producer)
@@ -278,7 +296,7 @@ class RowStore:
             else:
                 flat = self.data.view(-1, self.data.shape[-1])
             flat.index_copy_(0, device_index(index, device), rows)
-            if producer is not None:
+            if on_device:
                 self._hold(parts)
 
     def _hold(self, rows: list[torch.Tensor]) -> None:
@@ -289,6 +307,19 @@ class RowStore:
         event = torch.cuda.Event()
         event.record()
         self._in_flight.append((event, rows))
+
+
+KEPT_ATTR = "_sglang_rl_kept"
+
+
+def keep_rows(rows: torch.Tensor) -> torch.Tensor:
+    """A private copy of a step's device rows for the row store, made where sglang starts the
+    step's host copies (before its copy_done event), so finished once the host has waited for
+    that event, as the result hooks do before they route rows. The store may stage it for many
+    steps and write it with no stream wait (`RowStore.write`)."""
+    kept = rows.clone()
+    setattr(kept, KEPT_ATTR, True)
+    return kept
 
 
 def pick_rows(rows: torch.Tensor, picks: list[int] | range) -> torch.Tensor:
@@ -413,8 +444,8 @@ class FingerprintBuilder:
         is none; its rows stay in the store until `fingerprint` or `release`. A
         speculative step's run of rows may go past the request's end (sglang cuts the tokens with
         finished_len): those rows are dropped here, also from the newest full chunk, which then
-        becomes the partial one."""
-        _store.flush()
+        becomes the partial one. Staged rows need no flush here: the job that reads the chunk
+        writes them first."""
         excess = self.rows_seen - n_rows
         reach = self.fill + (CHUNK_ROWS if self.chunks else 0)
         if excess < 0 or excess > reach:
@@ -468,15 +499,16 @@ class PendingProofs:
     speculative decoding), and every job costs the scheduler thread a flush of the staged rows,
     a launch and a read-back (a few hundred us on a GPU server's host, whatever its size), so
     chunks are gathered into one job of up to `max_chunks` chunks, started at the latest
-    `max_steps` steps after its first chunk (default: 16 on a GPU server; 1 on a CPU server,
-    where a proof costs per chunk, in numpy, rather than per job, so holding chunks back only
-    makes finishing outputs wait longer). The last, partial chunks of finishing requests join
-    the same job, which then starts within `finish_steps` steps (default: 4 on a GPU server, at
-    once on a CPU server; `due`): requests finish a few at a time over many steps, and a job of
-    their own at each of those steps cost more host time than the rest of TOPLOC together. A
-    queued chunk knows its job's future at once: its slot stays lent until that job is done."""
+    `max_steps` steps after its first chunk (defaults: `JOB_CHUNKS` and `JOB_STEPS` on a GPU
+    server; 64 and 1 on a CPU server, where a proof costs per chunk, in numpy, rather than per
+    job, so holding chunks back only makes finishing outputs wait longer). The last, partial
+    chunks of finishing requests join the same job, which then starts within `finish_steps`
+    steps (default: 4 on a GPU server, at once on a CPU server; `due`): requests finish a few at
+    a time over many steps, and a job of their own at each of those steps cost more host time
+    than the rest of TOPLOC together. A queued chunk knows its job's future at once: its slot
+    stays lent until that job is done."""
 
-    def __init__(self, max_chunks: int = 64, max_steps: Optional[int] = None,
+    def __init__(self, max_chunks: Optional[int] = None, max_steps: Optional[int] = None,
                  finish_steps: Optional[int] = None) -> None:
         self.max_chunks = max_chunks
         self.max_steps = max_steps
@@ -536,8 +568,10 @@ class PendingProofs:
         if self.future is None:
             return
         self._steps += 1
-        max_steps = self.max_steps or (16 if _selection_device() is not None else 1)
-        if (len(self.queue) >= self.max_chunks or self._steps >= max_steps
+        on_gpu = _selection_device() is not None
+        max_steps = self.max_steps or (JOB_STEPS if on_gpu else 1)
+        max_chunks = self.max_chunks or (JOB_CHUNKS if on_gpu else 64)
+        if (len(self.queue) >= max_chunks or self._steps >= max_steps
                 or (self._due is not None and self._steps >= self._due)):
             self.flush()
 

@@ -1,0 +1,118 @@
+"""Where the scheduler thread's time goes when a GPU server's row store writes its staged decode
+steps (`RowStore.flush`), and what each step pays to stage its rows (GPU only).
+
+Under EAGLE the scheduler thread bounds the server, and the phase timing of a sweep put a real
+flush at ~350 us of host time (median of the flushes over 100 us), several times the sum its
+few torch calls should take. This times each host operation of a flush as `RowStore` runs them,
+for `--steps` staged steps of `--requests` requests of `--stride` rows each, then the whole
+`flush()` and the per-step `write()` that stages a step, medians of `--runs`.
+
+    python benchmark/bench_store_flush_host.py [--hidden 4096] [--requests 64] [--stride 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import print_table  # noqa: E402
+
+from sglang_rl.adapters import toploc  # noqa: E402
+from sglang_rl.fingerprint.device_prover import device_index  # noqa: E402
+
+
+def _runs(requests: int, stride: int, step: int) -> list[tuple[int, int, int]]:
+    """One speculative step's runs: request i commits 1..stride rows into its own slot."""
+    return [(i * stride, i * toploc.CHUNK_ROWS + (step % 8), 1 + (i + step) % stride) for i in range(requests)]
+
+
+def breakdown(store: toploc.RowStore, requests: int, stride: int, steps: int, hidden: int,
+              runs: int) -> dict[str, float]:
+    """Median host microseconds of each operation of a flush of `steps` staged steps, of a whole
+    `flush()`, and of a step's `clone` (as `copy_to_cpu_around` keeps the rows) and `write`."""
+    device = store.data.device
+    source = torch.randn(requests * stride, hidden, device=device).to(torch.bfloat16)
+    parts: dict[str, list[float]] = {}
+
+    def timed(name: str, start: float) -> float:
+        now = time.perf_counter()
+        parts.setdefault(name, []).append((now - start) * 1e6)
+        return now
+
+    for _ in range(runs):
+        torch.cuda.synchronize()
+        staged = []
+        for step in range(steps):
+            start = time.perf_counter()
+            rows = source.clone()
+            start = timed("per step: clone (copy_to_cpu_around)", start)
+            index = [(store.data.shape[0] - 1) * toploc.CHUNK_ROWS] * rows.shape[0]
+            for first_row, first, count in _runs(requests, stride, step):
+                index[first_row : first_row + count] = range(first, first + count)
+            timed("per step: index list", start)
+            staged.append((rows, index))
+        start = time.perf_counter()
+        index = np.fromiter(itertools.chain.from_iterable(i for _, i in staged), np.int64,
+                            sum(len(i) for _, i in staged))
+        start = timed("flush: index array", start)
+        producer = torch.cuda.current_stream()
+        with toploc._on_proof_stream():
+            start = timed("flush: enter proof stream", start)
+            torch.cuda.current_stream().wait_stream(producer)
+            start = timed("flush: wait_stream", start)
+            rows = torch.cat([r for r, _ in staged])
+            start = timed("flush: cat", start)
+            words = rows.view(torch.int32)
+            start = timed("flush: view int32", start)
+            on_device = device_index(index, device)
+            start = timed("flush: device_index (pin + copy)", start)
+            store._words.index_copy_(0, on_device, words)
+            start = timed("flush: index_copy_", start)
+            store._hold([r for r, _ in staged])
+            start = timed("flush: hold (event)", start)
+        timed("flush: leave proof stream", start)
+        torch.cuda.synchronize()
+        for step in range(steps):
+            rows = source.clone()
+            start = time.perf_counter()
+            store.write(_runs(requests, stride, step), rows, requests * stride)
+            timed("whole write() (the last one flushes)" if step == steps - 1 else "whole write(), staged", start)
+        torch.cuda.synchronize()
+        for step in range(steps - 1):
+            store.write(_runs(requests, stride, step), source.clone(), requests * stride)
+        start = time.perf_counter()
+        store.flush()
+        timed("whole flush()", start)
+    return {name: round(statistics.median(times), 1) for name, times in parts.items()}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--stride", type=int, default=4, help="rows per request per step (EAGLE's draft tokens)")
+    p.add_argument("--runs", type=int, default=50)
+    args = p.parse_args()
+    device = torch.device("cuda", torch.cuda.current_device())
+    toploc._device, toploc._device_known = device, True
+    store = toploc.RowStore()
+    store._set_data(store._allocate(args.requests + 1, args.hidden))
+    steps = toploc.STAGED_STEPS
+    store.staged_steps = steps
+    cells = breakdown(store, args.requests, args.stride, steps, args.hidden, args.runs)
+    print(f"row store flush, host time per operation: {steps} staged steps of {args.requests} requests x "
+          f"{args.stride} rows, hidden {args.hidden}, medians of {args.runs}; {torch.cuda.get_device_name()}")
+    print_table([{"host_op": name, "median_us": us} for name, us in cells.items()], ["host_op", "median_us"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
