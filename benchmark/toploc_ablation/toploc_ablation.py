@@ -36,7 +36,8 @@ def _no_builder(*args: Any, **kwargs: Any) -> None:
 
 
 def _paired(original: Any, *args: Any, **kwargs: Any) -> Any:
-    """`state_for_request` while the flag file is absent; no builder while it exists."""
+    """`state_for_request` while the flag file is absent; no TOPLOC state at all (so no builder)
+    while it exists. The paired runs only generate, so no verification request meets it."""
     if os.path.exists(os.environ["SGLANG_RL_TOPLOC_PAIRED_FLAG"]):
         return None
     return original(*args, **kwargs)
