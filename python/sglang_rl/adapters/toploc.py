@@ -519,6 +519,16 @@ class PendingProofs:
         self._steps = 0
         self._due: Optional[int] = None  # the step by which finishing requests need the job
 
+    def _limits(self) -> tuple[int, int, int]:
+        """(max_chunks, max_steps, finish_steps) in force: those given, else this server's
+        defaults. 0 leaves the first two unset; a finish_steps of 0 means at once."""
+        on_gpu = _selection_device() is not None
+        finish_steps = self.finish_steps
+        if finish_steps is None:
+            finish_steps = FINISH_STEPS if on_gpu else 0
+        return (self.max_chunks or (JOB_CHUNKS if on_gpu else 64),
+                self.max_steps or (JOB_STEPS if on_gpu else 1), finish_steps)
+
     def add(self, chunk: _Chunk, topk: int) -> None:
         """Queue a chunk for the next job."""
         if self.future is None:
@@ -531,9 +541,7 @@ class PendingProofs:
         """Finishing requests wait for the queued job: start it within `finish_steps` steps."""
         if self.future is None:
             return
-        steps = self.finish_steps
-        if steps is None:
-            steps = FINISH_STEPS if _selection_device() is not None else 0
+        steps = self._limits()[2]
         if steps <= 0:
             self.flush()
             return
@@ -568,9 +576,7 @@ class PendingProofs:
         if self.future is None:
             return
         self._steps += 1
-        on_gpu = _selection_device() is not None
-        max_steps = self.max_steps or (JOB_STEPS if on_gpu else 1)
-        max_chunks = self.max_chunks or (JOB_CHUNKS if on_gpu else 64)
+        max_chunks, max_steps, _ = self._limits()
         if (len(self.queue) >= max_chunks or self._steps >= max_steps
                 or (self._due is not None and self._steps >= self._due)):
             self.flush()
