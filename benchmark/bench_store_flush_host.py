@@ -37,7 +37,7 @@ def _runs(requests: int, stride: int, step: int) -> list[tuple[int, int, int]]:
 def breakdown(store: toploc.RowStore, requests: int, stride: int, steps: int, hidden: int,
               runs: int) -> dict[str, float]:
     """Median host microseconds of each operation of a flush of `steps` staged steps, of a whole
-    `flush()`, and of a step's `clone` (as `copy_to_cpu_around` keeps the rows) and `write`."""
+    `flush()`, and of a step's `keep_rows` (as `copy_to_cpu_around` keeps the rows) and `write`."""
     device = store.data.device
     source = torch.randn(requests * stride, hidden, device=device).to(torch.bfloat16)
     parts: dict[str, list[float]] = {}
@@ -52,8 +52,8 @@ def breakdown(store: toploc.RowStore, requests: int, stride: int, steps: int, hi
         staged = []
         for step in range(steps):
             start = time.perf_counter()
-            rows = source.clone()
-            start = timed("per step: clone (copy_to_cpu_around)", start)
+            rows = toploc.keep_rows(source)
+            start = timed("per step: keep_rows (copy_to_cpu_around)", start)
             index = [(store.data.shape[0] - 1) * toploc.CHUNK_ROWS] * rows.shape[0]
             for first_row, first, count in _runs(requests, stride, step):
                 index[first_row : first_row + count] = range(first, first + count)
@@ -63,11 +63,8 @@ def breakdown(store: toploc.RowStore, requests: int, stride: int, steps: int, hi
         index = np.fromiter(itertools.chain.from_iterable(i for _, i in staged), np.int64,
                             sum(len(i) for _, i in staged))
         start = timed("flush: index array", start)
-        producer = torch.cuda.current_stream()
-        with toploc._on_proof_stream():
+        with toploc._on_proof_stream():  # staged rows are `keep_rows` copies: no stream wait
             start = timed("flush: enter proof stream", start)
-            torch.cuda.current_stream().wait_stream(producer)
-            start = timed("flush: wait_stream", start)
             rows = torch.cat([r for r, _ in staged])
             start = timed("flush: cat", start)
             words = rows.view(torch.int32)
@@ -81,13 +78,13 @@ def breakdown(store: toploc.RowStore, requests: int, stride: int, steps: int, hi
         timed("flush: leave proof stream", start)
         torch.cuda.synchronize()
         for step in range(steps):
-            rows = source.clone()
+            rows = toploc.keep_rows(source)
             start = time.perf_counter()
             store.write(_runs(requests, stride, step), rows, requests * stride)
             timed("whole write() (the last one flushes)" if step == steps - 1 else "whole write(), staged", start)
         torch.cuda.synchronize()
         for step in range(steps - 1):
-            store.write(_runs(requests, stride, step), source.clone(), requests * stride)
+            store.write(_runs(requests, stride, step), toploc.keep_rows(source), requests * stride)
         start = time.perf_counter()
         store.flush()
         timed("whole flush()", start)
