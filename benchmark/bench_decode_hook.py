@@ -5,9 +5,10 @@ the overlap scheduler cannot hide when it is bound by the host.
 
 On the CPU no proof job runs (jobs are held back), so the table is the Python and the row copy
 that every step pays. With `--device cuda` the store and the step's rows are on the GPU, as on a
-GPU server that fingerprints (`copy_to_cpu_around` keeps the rows there), writes are staged as
-there, and proof jobs are launched as there (every `JOB_STEPS` steps or `JOB_CHUNKS` chunks), so
-the table is the host time of the whole device path per step, launches included.
+GPU server that fingerprints (each step's rows are the private copy `copy_to_cpu_around` keeps
+there, made in the timed step), writes are staged as there, and proof jobs are launched as
+there (every `JOB_STEPS` steps or `JOB_CHUNKS` chunks), so the table is the host time of the
+whole device path per step, launches included.
 
     python benchmark/bench_decode_hook.py                 # 64 requests, hidden 4096
     python benchmark/bench_decode_hook.py --hidden 1024   # the small EAGLE pair's width
@@ -64,9 +65,9 @@ def per_step_us(requests: int, hidden: int, spec: bool, steps: int, repeats: int
             setattr(req, scheduler.STATE_ATTR, adapter.FingerprintBuilder(128))
             reqs.append(req)
         accepted = torch.tensor([ACCEPTED[i % len(ACCEPTED)] for i in range(requests)]) if spec else None
-        host_rows = torch.randn(requests * stride, hidden).to(torch.bfloat16)
+        step_rows = torch.randn(requests * stride, hidden).to(torch.bfloat16).to(device)
         result = SimpleNamespace(copy_done=None, speculative_num_draft_tokens=stride if spec else None,
-                                 logits_output=SimpleNamespace(hidden_states=host_rows.to(device)),
+                                 logits_output=SimpleNamespace(hidden_states=step_rows),
                                  accept_lens=accepted)
         batch = SimpleNamespace(reqs=reqs, return_hidden_states=True)
         processor = SimpleNamespace(server_args=args)
@@ -74,6 +75,8 @@ def per_step_us(requests: int, hidden: int, spec: bool, steps: int, repeats: int
             torch.cuda.synchronize()
         start = time.perf_counter()
         for _ in range(steps):
+            if on_gpu:  # the private copy `copy_to_cpu_around` makes of each step's rows
+                result.logits_output.hidden_states = adapter.keep_rows(step_rows)
             scheduler.decode_result_around(lambda *a: None, processor, batch, result)
         best = min(best, (time.perf_counter() - start) / steps * 1e6)
         items = []

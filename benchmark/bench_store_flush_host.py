@@ -13,11 +13,11 @@ for `--steps` staged steps of `--requests` requests of `--stride` rows each, the
 from __future__ import annotations
 
 import argparse
-import itertools
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -41,6 +41,8 @@ def breakdown(store: toploc.RowStore, requests: int, stride: int, steps: int, hi
     device = store.data.device
     source = torch.randn(requests * stride, hidden, device=device).to(torch.bfloat16)
     parts: dict[str, list[float]] = {}
+    pinned = torch.empty(requests * stride * steps, dtype=torch.int64, pin_memory=True)
+    reused = torch.cuda.Event()
 
     def timed(name: str, start: float) -> float:
         now = time.perf_counter()
@@ -53,16 +55,12 @@ def breakdown(store: toploc.RowStore, requests: int, stride: int, steps: int, hi
         for step in range(steps):
             start = time.perf_counter()
             rows = toploc.keep_rows(source)
-            start = timed("per step: keep_rows (copy_to_cpu_around)", start)
-            index = [(store.data.shape[0] - 1) * toploc.CHUNK_ROWS] * rows.shape[0]
-            for first_row, first, count in _runs(requests, stride, step):
-                index[first_row : first_row + count] = range(first, first + count)
-            timed("per step: index list", start)
-            staged.append((rows, index))
+            timed("per step: keep_rows (copy_to_cpu_around)", start)
+            staged.append((rows, _runs(requests, stride, step)))
         start = time.perf_counter()
-        index = np.fromiter(itertools.chain.from_iterable(i for _, i in staged), np.int64,
-                            sum(len(i) for _, i in staged))
-        start = timed("flush: index array", start)
+        index = toploc.staged_index([r for _, r in staged], [rows.shape[0] for rows, _ in staged],
+                                    (store.data.shape[0] - 1) * toploc.CHUNK_ROWS)
+        start = timed("flush: index array (staged_index)", start)
         with toploc._on_proof_stream():  # staged rows are `keep_rows` copies: no stream wait
             start = timed("flush: enter proof stream", start)
             rows = torch.cat([r for r, _ in staged])
@@ -70,12 +68,14 @@ def breakdown(store: toploc.RowStore, requests: int, stride: int, steps: int, hi
             words = rows.view(torch.int32)
             start = timed("flush: view int32", start)
             on_device = device_index(index, device)
-            start = timed("flush: device_index (pin + copy)", start)
+            start = timed("flush: device_index", start)
             store._words.index_copy_(0, on_device, words)
             start = timed("flush: index_copy_", start)
             store._hold([r for r, _ in staged])
             start = timed("flush: hold (event)", start)
         timed("flush: leave proof stream", start)
+        torch.cuda.synchronize()
+        alternatives(index, device, pinned, reused, timed)
         torch.cuda.synchronize()
         for step in range(steps):
             rows = toploc.keep_rows(source)
@@ -91,18 +91,40 @@ def breakdown(store: toploc.RowStore, requests: int, stride: int, steps: int, hi
     return {name: round(statistics.median(times), 1) for name, times in parts.items()}
 
 
+def alternatives(index: np.ndarray, device: torch.device, pinned: torch.Tensor, reused: Any,
+                 timed: Callable[[str, float], float]) -> None:
+    """Other ways to do a flush's costly operations, timed alike (never used together here:
+    the device is synchronised around them)."""
+    start = time.perf_counter()
+    torch.from_numpy(index).pin_memory().to(device, non_blocking=True)
+    start = timed("alt: index page-locked, then to device", start)
+    pinned.numpy()[: len(index)] = index
+    pinned[: len(index)].to(device, non_blocking=True)
+    start = timed("alt: index through a reused page-locked buffer", start)
+    torch.cuda.Event().record()
+    start = timed("alt: new event, recorded", start)
+    reused.record()
+    start = timed("alt: reused event, recorded", start)
+    torch.cuda.current_stream()
+    start = timed("alt: current_stream()", start)
+    torch.cuda.set_stream(torch.cuda.current_stream())
+    timed("alt: set_stream(current_stream())", start)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--stride", type=int, default=4, help="rows per request per step (EAGLE's draft tokens)")
     p.add_argument("--runs", type=int, default=50)
+    p.add_argument("--steps", type=int, default=32, help="staged steps per flush (a server stages up to "
+                   "STAGED_STEPS, fewer when STAGED_BYTES comes first)")
     args = p.parse_args()
     device = torch.device("cuda", torch.cuda.current_device())
     toploc._device, toploc._device_known = device, True
     store = toploc.RowStore()
     store._set_data(store._allocate(args.requests + 1, args.hidden))
-    steps = toploc.STAGED_STEPS
+    steps = args.steps
     store.staged_steps = steps
     cells = breakdown(store, args.requests, args.stride, steps, args.hidden, args.runs)
     print(f"row store flush, host time per operation: {steps} staged steps of {args.requests} requests x "

@@ -46,10 +46,23 @@ EAGLE = dict(speculative_algorithm="EAGLE", speculative_num_steps=3, speculative
              speculative_num_draft_tokens=4)
 
 
-def parse_shape(text: str) -> tuple[int, int, int]:
-    """'64x128x128' -> (requests, prompt tokens, output tokens)."""
-    num, prompt, output = (int(v) for v in text.lower().split("x"))
-    return num, prompt, output
+def parse_shape(text: str) -> tuple[int, int, int | tuple[int, int]]:
+    """'64x128x128' -> (requests, prompt tokens, output tokens); '64x128x64-512' gives the
+    requests output lengths spread evenly over 64..512, so they finish a few at a time, as a
+    rollout's do."""
+    num, prompt, output = text.lower().split("x")
+    low, _, high = output.partition("-")
+    return int(num), int(prompt), (int(low), int(high)) if high else int(low)
+
+
+def output_lengths(num: int, output: int | tuple[int, int]) -> list[int]:
+    """Each request's max_new_tokens: one length, or `num` lengths spread evenly over a range
+    (interleaved, so that long and short requests share every batch)."""
+    if isinstance(output, int):
+        return [output] * num
+    low, high = output
+    spread = [low + (high - low) * i // max(num - 1, 1) for i in range(num)]
+    return spread[::2] + spread[1::2]
 
 
 def engine_for(args: argparse.Namespace, toploc: bool):
@@ -73,9 +86,9 @@ def engine_for(args: argparse.Namespace, toploc: bool):
 
 def timed_shape(llm, shape: tuple[int, int, int], runs: int, warm_up: bool = True) -> dict:
     """Output tok/s of `runs` timed batches of one shape, after an untimed one (`warm_up`)."""
-    num, prompt_len, output_len = shape
+    num, prompt_len, output = shape
     prompts = random_prompts(num, prompt_len, seed=prompt_len * 7 + num)
-    sp = {"max_new_tokens": output_len, "temperature": 0, "ignore_eos": True}
+    sp = [{"max_new_tokens": n, "temperature": 0, "ignore_eos": True} for n in output_lengths(num, output)]
     if warm_up:
         outs = llm.generate(input_ids=prompts, sampling_params=sp)  # untimed: graphs, allocator, caches
     rates, spec_steps = [], 0
@@ -100,7 +113,10 @@ def paired_shape(llm, shape: tuple[int, int, int], pairs: int) -> dict:
     """`pairs` adjacent (off, on) timed runs of one shape in one TOPLOC process: off while the
     flag file exists (no request gets a builder). Checks that the switch took: off runs carry no
     fingerprint, on runs one per request."""
+    label = Path(PAIRED_FLAG + ".label")  # which run this is, for the phase timing plugin
+    label.write_text("warmup")
     timed_shape(llm, shape, 0)  # untimed, as every mode's first batch
+    label.write_text("x".join(str(v) if isinstance(v, int) else "-".join(map(str, v)) for v in shape))
     rates: dict[str, list[float]] = {"off": [], "on": []}
     try:
         for _ in range(pairs):
@@ -118,6 +134,7 @@ def paired_shape(llm, shape: tuple[int, int, int], pairs: int) -> dict:
     finally:
         if os.path.exists(PAIRED_FLAG):
             os.remove(PAIRED_FLAG)
+        label.unlink(missing_ok=True)
     return {"off": rates["off"], "on": rates["on"], "tokens_per_step": cell["tokens_per_step"]}
 
 
@@ -228,7 +245,8 @@ def table(rows: list[dict], args: argparse.Namespace) -> list[dict]:
 def main() -> None:
     p = model_parser(__doc__)
     p.add_argument("--shapes", nargs="+", default=["64x128x128", "64x512x512", "8x128x128"],
-                   help="requests x prompt tokens x output tokens")
+                   help="requests x prompt tokens x output tokens (a range such as 64-512 spreads "
+                   "the requests' output lengths over it)")
     p.add_argument("--timed-runs", type=int, default=3)
     p.add_argument("--replay-batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--replay-total", type=int, default=200)

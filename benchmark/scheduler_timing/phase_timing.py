@@ -11,6 +11,15 @@ the calls of sglang's overlap loop (`Scheduler.event_loop_overlap`); the times i
 sglang-rl hooks inside them. Hooks on the same function nest in the order plugins load, which
 follows sys.path: put this folder after the sglang-rl package so that `on_idle` includes the
 plugin's wait for held proofs.
+
+In a `bench_toploc.py --paired` process (`SGLANG_RL_TOPLOC_PAIRED_FLAG` set) every call is filed
+under the shape and mode of the run it belongs to, read once per loop iteration (at its
+`get_next_batch_to_run`) from the flag file and the label file beside it (`<flag>.label`, which
+the benchmark writes): the file then holds an "off" and an "on" column per shape of one process,
+and the table shows where the on runs spent more time than the off runs beside them. Each
+shape's untimed first run is filed apart ("warmup") and left out of the table. The `iteration`
+row is the whole loop per step (from one `run_batch` start to the next); `gc` is the time of
+Python's garbage collections (`gc.full` those of the oldest generation), wherever they ran.
 """
 
 from __future__ import annotations
@@ -47,6 +56,7 @@ RL_PHASES = {
     "rl.hidden_rows": "sglang_rl.adapters.scheduler._hidden_rows",
     "rl.finish_rows": "sglang_rl.adapters.scheduler._finish_rows",
     "rl.stream_held": "sglang_rl.adapters.scheduler._stream_held",
+    "rl.keep_rows": f"{RL}.keep_rows",
 }
 """sglang-rl's TOPLOC work inside the phases above (they nest: the store's write and flush run
 inside add_builder_rows, a launch inside either; a job's read-back and the fingerprints' encoding
@@ -56,20 +66,76 @@ through their module (its own hook table holds the hook functions themselves).""
 LONG_S = 0.02
 """A call longer than this is a one-off (a kernel compiled or a CUDA graph captured on first use,
 a warm-up batch) and is counted apart, so the steady per-step cost is not swamped by them."""
-_calls: dict[str, list[float]] = {name: [] for name in (*PHASES, *RL_PHASES)}
-"""Every call's seconds, per phase."""
+NAMES = ("iteration", *PHASES, "gc", "gc.full", *RL_PHASES)
+_by_mode: dict[str, dict[str, list[float]]] = {}
+"""Every call's seconds, per phase, per mode ("all" outside a paired run)."""
+_calls: dict[str, list[float]] = {}
+"""The current mode's calls."""
+_last_launch: list[float] = []
+"""When the last `run_batch` started (the `iteration` row is the time between two)."""
 _dumped_at_step = -1
 
 
-def _timed(name: str) -> Callable:
-    calls = _calls[name]
+def _use_mode(mode: str) -> None:
+    global _calls
+    _calls = _by_mode.setdefault(mode, {name: [] for name in NAMES})
 
+
+_label = ["", -1]
+"""The paired run's label (its shape, or "warmup") and the label file's mtime when it was read."""
+
+
+def _read_mode() -> None:
+    """File the calls from here on under the paired run's shape and mode (off while the flag
+    exists); the label file is read again only when it has changed."""
+    flag = os.environ.get("SGLANG_RL_TOPLOC_PAIRED_FLAG")
+    if not flag:
+        return
+    try:
+        changed = os.stat(flag + ".label").st_mtime_ns
+    except OSError:
+        changed = 0
+    if changed != _label[1]:
+        _label[1] = changed
+        try:
+            with open(flag + ".label") as f:
+                _label[0] = f.read().strip()
+        except OSError:
+            _label[0] = ""
+    mode = "off" if os.path.exists(flag) else "on"
+    _use_mode("warmup" if _label[0] == "warmup" else f"{_label[0]}:{mode}" if _label[0] else mode)
+
+
+_gc_started = [0.0]
+
+
+def _gc(phase: str, info: dict) -> None:
+    """gc.callbacks: the time of each collection, under the current mode."""
+    if phase == "start":
+        _gc_started[0] = time.perf_counter()
+        return
+    took = time.perf_counter() - _gc_started[0]
+    _calls["gc"].append(took)
+    if info.get("generation") == 2:
+        _calls["gc.full"].append(took)
+
+
+_use_mode("all")
+
+
+def _timed(name: str) -> Callable:
     def around(original: Callable, *args: Any, **kwargs: Any) -> Any:
+        if name == "get_next_batch_to_run":
+            _read_mode()
         start = time.perf_counter()
+        if name == "run_batch":
+            if _last_launch and start - _last_launch[0] < LONG_S:
+                _calls["iteration"].append(start - _last_launch[0])
+            _last_launch[:] = [start]
         try:
             return original(*args, **kwargs)
         finally:
-            calls.append(time.perf_counter() - start)
+            _calls[name].append(time.perf_counter() - start)
             if name == "on_idle":
                 _dump()
 
@@ -79,14 +145,15 @@ def _timed(name: str) -> Callable:
 def _dump() -> None:
     global _dumped_at_step
     folder = os.environ.get("SGLANG_RL_PHASE_TIMING_DIR")
-    step = len(_calls["run_batch"])
+    step = sum(len(calls["run_batch"]) for calls in _by_mode.values())
     if not folder or step == _dumped_at_step:
         return  # nothing ran since the last dump (an idle loop calls on_idle again and again)
     _dumped_at_step = step
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"phases-{os.getpid()}.json")
     with open(path + ".tmp", "w") as f:
-        json.dump({name: [round(t, 7) for t in calls] for name, calls in _calls.items()}, f)
+        json.dump({mode: {name: [round(t, 7) for t in times] for name, times in calls.items()}
+                   for mode, calls in _by_mode.items() if calls["run_batch"]}, f)
     os.replace(path + ".tmp", path)
 
 
@@ -103,6 +170,10 @@ def register() -> None:
         targets.update(RL_PHASES)
     for name, target in targets.items():
         HookRegistry.register(target, _timed(name), HookType.AROUND)
+    if os.environ.get("SGLANG_RL_PHASE_TIMING_DIR"):
+        import gc
+
+        gc.callbacks.append(_gc)
 
 
 def _cell(calls: list[float], steps: int) -> str:
@@ -120,22 +191,26 @@ def main() -> int:
     phase per scheduler step (run_batch call)."""
     import sys
 
-    folders = sys.argv[1:]
-    merged: dict[str, dict[str, list[float]]] = {}
-    for folder in folders:
-        into = merged[folder] = {}
+    merged: dict[str, dict[str, list[float]]] = {}  # by column: a folder, or a folder's mode
+    for folder in sys.argv[1:]:
+        label = os.path.basename(folder.rstrip("/"))
         for name in sorted(os.listdir(folder)):
             if name.startswith("phases-") and name.endswith(".json"):
                 with open(os.path.join(folder, name)) as f:
-                    for phase, calls in json.load(f).items():
-                        into.setdefault(phase, []).extend(calls)
-    steps = {f: max(len(merged[f].get("run_batch", [])), 1) for f in folders}
+                    for mode, calls in json.load(f).items():
+                        if mode == "warmup":
+                            continue
+                        into = merged.setdefault(label if mode == "all" else f"{label}:{mode}", {})
+                        for phase, times in calls.items():
+                            into.setdefault(phase, []).extend(times)
+    columns = sorted(merged, key=lambda c: (c.rsplit(":", 1)[0], c.endswith(":on")))
+    steps = {c: max(len(merged[c].get("run_batch", [])), 1) for c in columns}
     print(f"steady host time per scheduler step (calls under {LONG_S * 1e3:.0f} ms; steps: "
-          + ", ".join(f"{os.path.basename(f.rstrip('/'))} {steps[f]}" for f in folders) + ")")
-    print("| phase | " + " | ".join(os.path.basename(f.rstrip("/")) for f in folders) + " |")
-    print("|---|" + "---|" * len(folders))
-    for phase in (*PHASES, *RL_PHASES):
-        print(f"| {phase} | " + " | ".join(_cell(merged[f].get(phase, []), steps[f]) for f in folders) + " |")
+          + ", ".join(f"{c} {steps[c]}" for c in columns) + ")")
+    print("| phase | " + " | ".join(columns) + " |")
+    print("|---|" + "---|" * len(columns))
+    for phase in NAMES:
+        print(f"| {phase} | " + " | ".join(_cell(merged[c].get(phase, []), steps[c]) for c in columns) + " |")
     return 0
 
 

@@ -208,6 +208,31 @@ def test_rows_not_kept_are_written_at_once(monkeypatch: pytest.MonkeyPatch) -> N
         assert fingerprint_of(builder, 40) == toploc_proofs(rows[:, i])
 
 
+def test_staged_index_puts_each_run_where_a_step_by_step_index_would() -> None:
+    """The index a flush builds for all its staged steps at once (numpy, from the runs) equals
+    the steps' indexes built one by one: each run's rows at its store rows, in order, every
+    other row at the discard row."""
+    rng = random.Random(3)
+    discard = 999
+    runs, sizes, expected = [], [], []
+    for _ in range(20):
+        size = rng.choice([1, 4, 12])
+        step = [discard] * size
+        step_runs, row = [], 0
+        while row < size:
+            count = rng.randint(0, size - row)
+            if count and rng.random() < 0.8:
+                first = rng.randrange(0, 900)
+                step_runs.append((row, first, count))
+                step[row : row + count] = range(first, first + count)
+            row += max(count, 1)
+        runs.append(step_runs)
+        sizes.append(size)
+        expected += step
+    assert adapter.staged_index(runs, sizes, discard).tolist() == expected
+    assert adapter.staged_index([[]], [3], discard).tolist() == [discard] * 3
+
+
 def test_a_job_starts_when_old_enough(monkeypatch: pytest.MonkeyPatch) -> None:
     """Full chunks gather into one proof job, started `max_steps` steps after its first chunk."""
     pending = adapter.PendingProofs(max_chunks=100, max_steps=3)

@@ -129,21 +129,30 @@ def _new_job() -> Future:
     return DeviceJob() if _prover() is not None else Future()
 
 
-JOB_STEPS = 32
-"""Scheduler steps a GPU server's proof job waits for more chunks at most (`PendingProofs`)."""
+JOB_STEPS = 128
+"""Scheduler steps a GPU server's proof job waits for more chunks at most (`PendingProofs`). Only
+finishing requests wait for proofs, and they start the job within `FINISH_STEPS`; a running
+request's full chunks only hold their slots, so a long wait costs some store memory, while
+every job costs the scheduler thread a flush, a launch and a read-back (~0.5 ms in all). At
+batch 8 under EAGLE a chunk fills every ~1.2 steps, so 32 steps made a job of ~26 chunks."""
 JOB_CHUNKS = 256
 """Chunks that start a GPU server's proof job at once (four graph pieces of 64)."""
-STAGED_STEPS = JOB_STEPS
+STAGED_STEPS = 2 * JOB_STEPS
 """Decode steps whose rows a GPU server's row store writes together at most (the rows wait on
-the device, ~2 MB a step for 64 requests at 4096 under speculative decoding); a CPU store writes
-every step. A proof job flushes the store before it starts, so staging as many steps as a job
-waits leaves the flushes to the jobs: each costs the scheduler thread a few hundred us."""
+the device, ~2 MB a step for 64 requests at 4096 under speculative decoding, so `STAGED_BYTES`
+comes first there); a CPU store writes every step. A proof job flushes the store before it
+starts, and its first chunk may fill some steps after the last flush, so staging twice as many
+steps as a job waits leaves the flushes to the jobs: each costs the scheduler thread a few
+hundred us."""
 STAGED_BYTES = 64 << 20
 """Staged rows a GPU server's store writes once they reach this size, whatever their steps."""
-FINISH_STEPS = 4
+FINISH_STEPS = 16
 """Scheduler steps (decode or prefill) a GPU server's finishing requests may wait for the shared
 proof job to start (`PendingProofs.due`); with no batch left to run it starts at once
-(`release_finished`)."""
+(`release_finished`). Requests finish a few at a time over many steps (under speculative
+decoding even those of one length), and every job costs the scheduler thread ~0.5-0.7 ms, so at
+4 steps the jobs of finishing requests alone took ~1-3% of a batch-8 EAGLE step; a finished
+output now waits at most 16 steps (~65 ms there), and the last ones of a burst not at all."""
 
 
 class RowStore:
@@ -160,10 +169,11 @@ class RowStore:
         self._words: Optional[torch.Tensor] = None  # data's flat rows as int32 words (even H)
         self._free: list[int] = []
         self._lent: dict[Future, list[int]] = {}  # slots a proof job still reads, by job
-        self._staged: list[tuple[torch.Tensor, list[int]]] = []  # decode steps not yet written
+        self._staged: list[tuple[torch.Tensor, list[tuple[int, int, int]]]] = []  # (rows, runs) not yet written
         self._staged_bytes = 0
         self._quarantined: list[int] = []  # freed while rows were staged: free after the next flush
         self._in_flight: list[tuple[Any, list[torch.Tensor]]] = []  # (event, rows) of GPU writes
+        self._events: list[Any] = []  # events of writes that have passed, to record again
         self.staged_steps: Optional[int] = None  # decode steps written together; None: by device
 
     @property
@@ -234,17 +244,17 @@ class RowStore:
         written at once."""
         own = getattr(rows, KEPT_ATTR, False)
         if 2 * kept >= rows.shape[0]:
-            discard = (self.data.shape[0] - 1) * CHUNK_ROWS
-            index = [discard] * rows.shape[0]
-            for start, first, count in runs:
-                index[start : start + count] = range(first, first + count)
             steps = self.staged_steps or (STAGED_STEPS if self.data.is_cuda else 1)
             if steps > 1 and own and rows.device == self.data.device:
-                self._staged.append((rows, index))
+                self._staged.append((rows, runs))  # the flush turns all staged runs into one index
                 self._staged_bytes += rows.numel() * rows.element_size()
                 if len(self._staged) >= steps or self._staged_bytes >= STAGED_BYTES:
                     self.flush()
                 return
+            discard = (self.data.shape[0] - 1) * CHUNK_ROWS
+            index = [discard] * rows.shape[0]
+            for start, first, count in runs:
+                index[start : start + count] = range(first, first + count)
             picks = None
         else:
             picks, index = [], []
@@ -259,8 +269,8 @@ class RowStore:
         meanwhile can then be handed out again."""
         if self._staged:
             staged, self._staged, self._staged_bytes = self._staged, [], 0
-            index = np.fromiter(itertools.chain.from_iterable(i for _, i in staged), np.int64,
-                                sum(len(i) for _, i in staged))
+            index = staged_index([runs for _, runs in staged], [rows.shape[0] for rows, _ in staged],
+                                 (self.data.shape[0] - 1) * CHUNK_ROWS)
             self._copy([rows for rows, _ in staged], index, wait=False)
         if self._quarantined:
             self._free.extend(self._quarantined)
@@ -303,10 +313,28 @@ class RowStore:
         """Keep `rows` until the copy just issued on the proof stream has read them (writes
         before it are let go once their events have passed)."""
         while self._in_flight and self._in_flight[0][0].query():
-            self._in_flight.pop(0)
-        event = torch.cuda.Event()
-        event.record()
+            self._events.append(self._in_flight.pop(0)[0])
+        event = self._events.pop() if self._events else torch.cuda.Event()
+        event.record()  # recorded again once passed, rather than a new CUDA event per write
         self._in_flight.append((event, rows))
+
+
+def staged_index(runs: list[list[tuple[int, int, int]]], sizes: list[int], discard: int) -> np.ndarray:
+    """The flat store row of every row of some staged steps, concatenated: step s has `sizes[s]`
+    rows, and its runs (start, first, count) put its rows start.. at store rows first..; the
+    rows no run takes go to `discard`. Built in numpy once per flush from the runs that
+    `add_builder_rows` made anyway: at 64 requests a step's index as a Python list took ~50 us
+    of the scheduler thread, per step."""
+    per_step = [len(r) for r in runs]
+    flat = np.fromiter(itertools.chain.from_iterable(itertools.chain.from_iterable(runs)), np.int64,
+                       3 * sum(per_step)).reshape(-1, 3)
+    sizes_arr = np.asarray(sizes, dtype=np.int64)
+    count = flat[:, 2]
+    offset_in_run = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
+    index = np.full(int(sizes_arr.sum()), discard, dtype=np.int64)
+    step_start = np.repeat(np.cumsum(sizes_arr) - sizes_arr, per_step)
+    index[np.repeat(flat[:, 0] + step_start, count) + offset_in_run] = np.repeat(flat[:, 1], count) + offset_in_run
+    return index
 
 
 KEPT_ATTR = "_sglang_rl_kept"

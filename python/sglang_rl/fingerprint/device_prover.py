@@ -36,12 +36,15 @@ BUCKETS = (8, 16, 32, 64)
 
 def device_index(values: Sequence | np.ndarray, device: torch.device) -> torch.Tensor:
     """An int64 tensor of `values` (a list, nested lists or an array) on `device`, copied there
-    without the host waiting (from page-locked memory, on the current stream). numpy reads a
-    list of ints in less than half the time `torch.tensor` takes (~20 against ~55 us for 1024)."""
+    on the current stream without the host waiting for the device. numpy reads a list of ints in
+    less than half the time `torch.tensor` takes (~20 against ~55 us for 1024). The copy is made
+    from the array's own (pageable) memory: CUDA stages such a copy before the call returns, with
+    no device synchronisation, so the array may go at once; on an H100 host that took ~40 us
+    where page-locking it first and copying took ~90-105 (`bench_store_flush_host.py`)."""
     host = torch.from_numpy(np.asarray(values, dtype=np.int64))
     if device.type == "cpu":
         return host
-    return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device, non_blocking=True)
 
 
 class _Buffers:
