@@ -10,7 +10,9 @@ CPU smoke run (default model):
 
 Each mode runs in its own process (a fresh Engine), so the modes share nothing. Every shape is
 timed `--timed-runs` times after one untimed run; the table gives the median and the spread
-(min..max) of output tokens per second, and on/off as the ratio of the medians.
+(min..max) of output tokens per second, and on/off as the ratio of the medians. A shape's output
+length may be a range (`64x128x64-512`): the requests then finish a few at a time, as a
+rollout's do.
 
 A host-bound setup (the small EAGLE pair) varies more between engine processes than between
 modes: one process of a mode ran 16k tok/s and the next 23k on the same H100. `--rounds R` runs

@@ -150,9 +150,9 @@ FINISH_STEPS = 16
 """Scheduler steps (decode or prefill) a GPU server's finishing requests may wait for the shared
 proof job to start (`PendingProofs.due`); with no batch left to run it starts at once
 (`release_finished`). Requests finish a few at a time over many steps (under speculative
-decoding even those of one length), and every job costs the scheduler thread ~0.5-0.7 ms, so at
-4 steps the jobs of finishing requests alone took ~1-3% of a batch-8 EAGLE step; a finished
-output now waits at most 16 steps (~65 ms there), and the last ones of a burst not at all."""
+decoding even those of one length), and every job costs the scheduler thread ~0.5-0.7 ms: with
+4 steps, 64 EAGLE requests of 64-512 tokens started 32 jobs a run on an H100, with 16 steps 10.
+A finished output waits at most 16 steps (~65 ms there); the last ones of a burst not at all."""
 
 
 class RowStore:
