@@ -86,7 +86,7 @@ def engine_for(args: argparse.Namespace, toploc: bool):
     return sgl.Engine(**kw, toploc_verification=toploc)
 
 
-def timed_shape(llm, shape: tuple[int, int, int], runs: int, warm_up: bool = True) -> dict:
+def timed_shape(llm, shape: tuple[int, int, int | tuple[int, int]], runs: int, warm_up: bool = True) -> dict:
     """Output tok/s of `runs` timed batches of one shape, after an untimed one (`warm_up`)."""
     num, prompt_len, output = shape
     prompts = random_prompts(num, prompt_len, seed=prompt_len * 7 + num)
@@ -111,14 +111,15 @@ def timed_shape(llm, shape: tuple[int, int, int], runs: int, warm_up: bool = Tru
 PAIRED_FLAG = "/tmp/sglang-rl-bench-toploc-paired-off"
 
 
-def paired_shape(llm, shape: tuple[int, int, int], pairs: int) -> dict:
-    """`pairs` adjacent (off, on) timed runs of one shape in one TOPLOC process: off while the
-    flag file exists (no request gets a builder). Checks that the switch took: off runs carry no
-    fingerprint, on runs one per request."""
+def paired_shape(llm, text: str, pairs: int) -> dict:
+    """`pairs` adjacent (off, on) timed runs of one shape (`parse_shape`'s text) in one TOPLOC
+    process: off while the flag file exists (no request gets a builder). Checks that the switch
+    took: off runs carry no fingerprint, on runs one per request."""
+    shape = parse_shape(text)
     label = Path(PAIRED_FLAG + ".label")  # which run this is, for the phase timing plugin
     label.write_text("warmup")
     timed_shape(llm, shape, 0)  # untimed, as every mode's first batch
-    label.write_text("x".join(str(v) if isinstance(v, int) else "-".join(map(str, v)) for v in shape))
+    label.write_text(text)
     rates: dict[str, list[float]] = {"off": [], "on": []}
     try:
         for _ in range(pairs):
@@ -147,7 +148,7 @@ def run_paired(args: argparse.Namespace) -> list[dict]:
     llm = engine_for(args, toploc=True)
     lines = []
     for text in args.shapes:
-        cell = paired_shape(llm, parse_shape(text), args.timed_runs)
+        cell = paired_shape(llm, text, args.timed_runs)
         ratios = [on / off for off, on in zip(cell["off"], cell["on"])]
         lines.append({"shape": text, "off_median": round(statistics.median(cell["off"]), 1),
                       "on_median": round(statistics.median(cell["on"]), 1),

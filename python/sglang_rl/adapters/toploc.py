@@ -531,9 +531,9 @@ class PendingProofs:
     server; 64 and 1 on a CPU server, where a proof costs per chunk, in numpy, rather than per
     job, so holding chunks back only makes finishing outputs wait longer). The last, partial
     chunks of finishing requests join the same job, which then starts within `finish_steps`
-    steps (default: 4 on a GPU server, at once on a CPU server; `due`): requests finish a few at
-    a time over many steps, and a job of their own at each of those steps cost more host time
-    than the rest of TOPLOC together. A queued chunk knows its job's future at once: its slot
+    steps (default: `FINISH_STEPS` on a GPU server, at once on a CPU server; `due`): requests
+    finish a few at a time over many steps, and a job of their own at each of those steps cost
+    more host time than the rest of TOPLOC together. A queued chunk knows its job's future at once: its slot
     stays lent until that job is done."""
 
     def __init__(self, max_chunks: Optional[int] = None, max_steps: Optional[int] = None,
