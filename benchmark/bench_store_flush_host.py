@@ -27,11 +27,14 @@ from common import print_table  # noqa: E402
 
 from sglang_rl.adapters import toploc  # noqa: E402
 from sglang_rl.fingerprint.device_prover import device_index  # noqa: E402
+from sglang_rl.fingerprint.row_ring import RowRing  # noqa: E402
 
 
-def _runs(requests: int, stride: int, step: int) -> list[tuple[int, int, int]]:
-    """One speculative step's runs: request i commits 1..stride rows into its own slot."""
-    return [(i * stride, i * toploc.CHUNK_ROWS + (step % 8), 1 + (i + step) % stride) for i in range(requests)]
+def _runs(requests: int, stride: int, step: int) -> list[int]:
+    """One speculative step's runs, flat (start, first, count) triples: request i commits
+    1..stride rows into its own slot."""
+    return [v for i in range(requests)
+            for v in (i * stride, i * toploc.CHUNK_ROWS + (step % 8), 1 + (i + step) % stride)]
 
 
 def breakdown(store: toploc.RowStore, requests: int, stride: int, steps: int, hidden: int,
@@ -55,7 +58,9 @@ def breakdown(store: toploc.RowStore, requests: int, stride: int, steps: int, hi
         for step in range(steps):
             start = time.perf_counter()
             rows = toploc.keep_rows(source)
-            timed("per step: keep_rows (copy_to_cpu_around)", start)
+            start = timed("per step: keep_rows (copy_to_cpu_around)", start)
+            source.clone()
+            timed("alt: per step: a clone instead of the ring", start)
             staged.append((rows, _runs(requests, stride, step)))
         start = time.perf_counter()
         index = toploc.staged_index([r for _, r in staged], [rows.shape[0] for rows, _ in staged],
@@ -63,8 +68,10 @@ def breakdown(store: toploc.RowStore, requests: int, stride: int, steps: int, hi
         start = timed("flush: index array (staged_index)", start)
         with toploc._on_proof_stream():  # staged rows are `keep_rows` copies: no stream wait
             start = timed("flush: enter proof stream", start)
-            rows = torch.cat([r for r, _ in staged])
-            start = timed("flush: cat", start)
+            pieces = RowRing.join([r for r, _ in staged])
+            start = timed("flush: join the ring's views", start)
+            rows = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+            start = timed("flush: cat (where the views wrap)", start)
             words = rows.view(torch.int32)
             start = timed("flush: view int32", start)
             on_device = device_index(index, device)

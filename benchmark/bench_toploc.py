@@ -111,10 +111,13 @@ def timed_shape(llm, shape: tuple[int, int, int | tuple[int, int]], runs: int, w
 PAIRED_FLAG = "/tmp/sglang-rl-bench-toploc-paired-off"
 
 
-def paired_shape(llm, text: str, pairs: int) -> dict:
+def paired_shape(llm, text: str, pairs: int, profile_dir: str | None = None) -> dict:
     """`pairs` adjacent (off, on) timed runs of one shape (`parse_shape`'s text) in one TOPLOC
     process: off while the flag file exists (no request gets a builder). Checks that the switch
-    took: off runs carry no fingerprint, on runs one per request."""
+    took: off runs carry no fingerprint, on runs one per request. With `profile_dir`, one more
+    off run and on run follow, each under sglang's torch profiler (CPU ops, CUDA runtime calls
+    and kernels; no Python stacks, which would slow every call), traced into
+    `<profile_dir>/<shape>-<mode>/` for `scheduler_timing/trace_diff.py`."""
     shape = parse_shape(text)
     label = Path(PAIRED_FLAG + ".label")  # which run this is, for the phase timing plugin
     label.write_text("warmup")
@@ -134,6 +137,15 @@ def paired_shape(llm, text: str, pairs: int) -> dict:
                     raise SystemExit(f"--paired: a {mode} run fingerprinted {cell['fingerprinted']} of {shape[0]} "
                                      "requests (is benchmark/toploc_ablation on PYTHONPATH?)")
                 rates[mode] += cell["rates"]
+        for mode in ("off", "on") if profile_dir else ():
+            if mode == "off":
+                Path(PAIRED_FLAG).touch()
+            elif os.path.exists(PAIRED_FLAG):
+                os.remove(PAIRED_FLAG)
+            llm.start_profile(output_dir=f"{profile_dir}/{text}-{mode}", with_stack=False,
+                              record_shapes=False, activities=["CPU", "GPU"], profile_id=mode)
+            timed_shape(llm, shape, 1, warm_up=False)
+            llm.stop_profile()
     finally:
         if os.path.exists(PAIRED_FLAG):
             os.remove(PAIRED_FLAG)
@@ -148,7 +160,7 @@ def run_paired(args: argparse.Namespace) -> list[dict]:
     llm = engine_for(args, toploc=True)
     lines = []
     for text in args.shapes:
-        cell = paired_shape(llm, text, args.timed_runs)
+        cell = paired_shape(llm, text, args.timed_runs, args.profile_dir)
         ratios = [on / off for off, on in zip(cell["off"], cell["on"])]
         lines.append({"shape": text, "off_median": round(statistics.median(cell["off"]), 1),
                       "on_median": round(statistics.median(cell["on"]), 1),
@@ -268,6 +280,8 @@ def main() -> None:
                         "graph capture imports)")
     p.add_argument("--paired", action="store_true",
                    help="one TOPLOC process whose timed runs alternate off/on (--timed-runs pairs per shape)")
+    p.add_argument("--profile-dir", help="--paired: after each shape's pairs, trace one off and one on run "
+                   "with sglang's torch profiler into this folder (scheduler_timing/trace_diff.py reads it)")
     p.add_argument("--one-mode", help=argparse.SUPPRESS)
     args = p.parse_args() if "--eagle" in sys.argv else parse_with_model(p)
     if args.paired:

@@ -20,6 +20,7 @@ from sglang_rl.adapters import toploc as adapter
 from sglang_rl.adapters import transport
 from sglang_rl.fingerprint import FingerprintError, build_chunk_proofs, decode_fingerprint
 from sglang_rl.fingerprint.device_prover import DeviceProver
+from sglang_rl.fingerprint.row_ring import RowRing
 
 TOPK = 16
 HIDDEN = 64
@@ -59,17 +60,25 @@ def feed(builders: list, runs: list[list[int]], rows: list[torch.Tensor]) -> Non
             taken[i] += c
 
 
-@pytest.fixture(params=["proof thread", "device launches", "device launches, staged writes"])
+@pytest.fixture(params=["proof thread", "device launches", "device launches, staged writes",
+                        "device launches, staged writes from a ring"])
 def proof_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Both ways proofs are built: a CPU server's proof thread, and a GPU server's launches from
     the scheduler thread over a store on the device (here the CPU is that device: the same
     bookkeeping, with each launch computed at once), also with a GPU store's staged writes
-    (decode steps written three at a time)."""
+    (decode steps written three at a time), and with the kept rows in a `RowRing` as on a GPU
+    server: a small one here, so that staged steps wrap round its end and some steps do not
+    fit and get tensors of their own."""
     if request.param.startswith("device launches"):
         prover = DeviceProver(torch.device("cpu"))
         monkeypatch.setattr(adapter, "_prover", lambda: prover)
     monkeypatch.setattr(adapter, "_store", adapter.RowStore())
-    if request.param.endswith("staged writes"):
+    rings = {}
+    if request.param.endswith("from a ring"):
+        for dtype in (torch.float32, torch.bfloat16):
+            rings[(dtype, HIDDEN, -1)] = RowRing(96, torch.empty(0, HIDDEN, dtype=dtype))
+    monkeypatch.setattr(adapter, "_rings", rings)
+    if "staged writes" in request.param:
         adapter._store.staged_steps = 3
     monkeypatch.setattr(adapter, "_pending", adapter.PendingProofs())
     return request.param
@@ -223,7 +232,7 @@ def test_staged_index_puts_each_run_where_a_step_by_step_index_would() -> None:
             count = rng.randint(0, size - row)
             if count and rng.random() < 0.8:
                 first = rng.randrange(0, 900)
-                step_runs.append((row, first, count))
+                step_runs += (row, first, count)
                 step[row : row + count] = range(first, first + count)
             row += max(count, 1)
         runs.append(step_runs)

@@ -44,6 +44,7 @@ def _server(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(adapter, "_pending", adapter.PendingProofs(max_chunks=100, max_steps=100))
     monkeypatch.setattr(adapter, "_store", adapter.RowStore())
     monkeypatch.setattr(adapter, "_held", [])
+    monkeypatch.setattr(adapter, "_held_ids", set())
 
 
 def _streamed(result, reqs: list, flag: bool = False) -> tuple[list, bool]:

@@ -227,34 +227,55 @@ def decode_result_around(original: Callable, processor: Any, batch: Any, result:
     if hidden is not None:
         stride = result.speculative_num_draft_tokens or 1
         accepted = result.accept_lens.tolist() if result.accept_lens is not None else None
-        builders, starts, counts = [], [], []
-        collectors = []
-        # row collectors exist only on servers with hidden states or co-training; a TOPLOC-only
-        # server skips looking for them (this loop runs for every request at every step)
-        with_collectors = _server_collects_rows(processor.server_args)
-        collector = None
-        for i, req in enumerate(batch.reqs):
-            if with_collectors:
-                count = accepted[i] if accepted is not None else 1
-                for rows_of in _row_collectors(req):
-                    if rows_of.stores and not rows_of.done and not (req.finished() or req.is_retracted):
-                        position = len(req.origin_input_ids) + len(req.output_ids) - 1
-                        collectors.append((rows_of, i * stride, count, position))
-                collector = getattr(req, HS_ATTR, None)
-            state = getattr(req, STATE_ATTR, None)
-            # the deferred step of return_final_hidden_state samples a token that is never
-            # returned: its row must not enter the fingerprint, which covers output_ids only
-            if (isinstance(state, toploc.FingerprintBuilder) and not state.done
-                    and not (req.finished() or req.is_retracted)
-                    and (collector is None or collector.deferred is None)):
-                builders.append(state)
-                starts.append(i * stride)
-                counts.append(accepted[i] if accepted is not None else 1)
+        if _server_collects_rows(processor.server_args):
+            builders, starts, counts, collectors = _decode_routes(batch.reqs, stride, accepted)
+        else:  # a TOPLOC-only server has no row collectors to look for
+            builders, starts, counts = _decode_builders(batch.reqs, stride, accepted)
+            collectors = []
         if builders or toploc.holds_requests():  # a step of the pending job's count even without rows
             toploc.add_builder_rows(builders, hidden, _topk(), counts, starts)
         if collectors:
             hidden_states.add_decode_rows(collectors, _private_host_rows(hidden, processor))
     return original(processor, batch, result)
+
+
+def _decode_builders(reqs: list, stride: int, accepted: list[int] | None
+                     ) -> tuple[list, list[int], list[int] | None]:
+    """The fingerprint builders of a decode step's running requests, with the first row and
+    the row count of each one's committed run. This runs for every request at every step."""
+    builder_type = toploc.FingerprintBuilder
+    builders, picked = [], []
+    for i, req in enumerate(reqs):
+        state = getattr(req, STATE_ATTR, None)
+        if type(state) is builder_type and not state.done and not (req.finished() or req.is_retracted):
+            builders.append(state)
+            picked.append(i)
+    counts = None if accepted is None else [accepted[i] for i in picked]
+    return builders, picked if stride == 1 else [i * stride for i in picked], counts
+
+
+def _decode_routes(reqs: list, stride: int, accepted: list[int] | None
+                   ) -> tuple[list, list[int], list[int], list]:
+    """`_decode_builders` on a server whose requests may also have row collectors (hidden-state
+    fields, co-training): those collectors too, each with its run and the run's position."""
+    builders, starts, counts, collectors = [], [], [], []
+    for i, req in enumerate(reqs):
+        count = accepted[i] if accepted is not None else 1
+        for rows_of in _row_collectors(req):
+            if rows_of.stores and not rows_of.done and not (req.finished() or req.is_retracted):
+                position = len(req.origin_input_ids) + len(req.output_ids) - 1
+                collectors.append((rows_of, i * stride, count, position))
+        collector = getattr(req, HS_ATTR, None)
+        state = getattr(req, STATE_ATTR, None)
+        # the deferred step of return_final_hidden_state samples a token that is never
+        # returned: its row must not enter the fingerprint, which covers output_ids only
+        if (isinstance(state, toploc.FingerprintBuilder) and not state.done
+                and not (req.finished() or req.is_retracted)
+                and (collector is None or collector.deferred is None)):
+            builders.append(state)
+            starts.append(i * stride)
+            counts.append(count)
+    return builders, starts, counts, collectors
 
 
 def _private_host_rows(hidden: torch.Tensor, processor: Any) -> torch.Tensor:

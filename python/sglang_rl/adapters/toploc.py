@@ -42,6 +42,7 @@ from sglang_rl.fingerprint import (
 )
 from sglang_rl.fingerprint.device_prover import DeviceProver, LaunchedProofs, device_index
 from sglang_rl.fingerprint.calibration import UNCALIBRATED, ThresholdPolicy, cached_policy
+from sglang_rl.fingerprint.row_ring import RowRing
 from sglang_rl.request_options import RESPONSE_START_KEY
 
 logger = logging.getLogger(__name__)
@@ -120,9 +121,9 @@ class DeviceJob(Future):
 def _reads_done(job: Future) -> bool:
     """Whether a job no longer needs its slots' rows (a launched device job has queued its reads
     ahead of any later write; a thread job reads until it is done)."""
-    if isinstance(job, DeviceJob) and job.launched is not None:
+    if getattr(job, "launched", None) is not None:
         return True
-    return job.done()
+    return Future.done(job)  # a device job not launched has nothing to pick up
 
 
 def _new_job() -> Future:
@@ -169,7 +170,7 @@ class RowStore:
         self._words: Optional[torch.Tensor] = None  # data's flat rows as int32 words (even H)
         self._free: list[int] = []
         self._lent: dict[Future, list[int]] = {}  # slots a proof job still reads, by job
-        self._staged: list[tuple[torch.Tensor, list[tuple[int, int, int]]]] = []  # (rows, runs) not yet written
+        self._staged: list[tuple[torch.Tensor, list[int]]] = []  # (rows, runs) not yet written
         self._staged_bytes = 0
         self._quarantined: list[int] = []  # freed while rows were staged: free after the next flush
         self._in_flight: list[tuple[Any, list[torch.Tensor]]] = []  # (event, rows) of GPU writes
@@ -230,9 +231,11 @@ class RowStore:
         else:
             self._lent.setdefault(reader, []).append(slot)
 
-    def write(self, runs: list[tuple[int, int, int]], rows: torch.Tensor, kept: int) -> None:
-        """Store the step's rows: each run (start, first, count) puts rows[start : start + count]
-        at flat rows first.. (slot * 32 + row in chunk); `kept` is the runs' rows in all.
+    def write(self, runs: list[int], rows: torch.Tensor, kept: int) -> None:
+        """Store the step's rows: each run, three ints (start, first, count) of the flat list
+        `runs`, puts rows[start : start + count] at flat rows first.. (slot * 32 + row in
+        chunk); `kept` is the runs' rows in all. Flat ints rather than a tuple per run: staged
+        runs live for many steps, and as tuples they kept Python's collector busy.
 
         When most rows are kept (a decode step) all of them go in one scatter, those no run takes
         to the discard slot. Rows of `keep_rows` on the store's device (a private, finished copy)
@@ -253,12 +256,12 @@ class RowStore:
                 return
             discard = (self.data.shape[0] - 1) * CHUNK_ROWS
             index = [discard] * rows.shape[0]
-            for start, first, count in runs:
+            for start, first, count in _triples(runs):
                 index[start : start + count] = range(first, first + count)
             picks = None
         else:
             picks, index = [], []
-            for start, first, count in runs:
+            for start, first, count in _triples(runs):
                 picks.extend(range(start, start + count))
                 index.extend(range(first, first + count))
         self.flush()
@@ -294,40 +297,56 @@ class RowStore:
         with _on_proof_stream():
             if producer is not None:
                 torch.cuda.current_stream().wait_stream(producer)
-            rows = parts[0] if len(parts) == 1 else torch.cat(parts)
+            joined = RowRing.join(parts)
+            pieces = joined.pieces
+            if len(pieces) > 2 or picks is not None:
+                pieces = [torch.cat(pieces) if len(pieces) > 1 else pieces[0]]
             if picks is not None:
-                rows = pick_rows(rows, picks)
-            if rows.device != device:
-                rows = rows.to(device, non_blocking=True)
-            if rows.dtype != torch.bfloat16:
-                rows = rows.to(torch.bfloat16)
-            if self._words is not None:
-                flat, rows = self._words, rows.contiguous().view(torch.int32)
-            else:
-                flat = self.data.view(-1, self.data.shape[-1])
-            flat.index_copy_(0, device_index(index, device), rows)
+                pieces = [pick_rows(pieces[0], picks)]
+            target = device_index(index, device)
+            offset = 0
+            for rows in pieces:  # two when the staged rows wrap round the ring's end
+                if rows.device != device:
+                    rows = rows.to(device, non_blocking=True)
+                if rows.dtype != torch.bfloat16:
+                    rows = rows.to(torch.bfloat16)
+                if self._words is not None:
+                    flat, rows = self._words, rows.contiguous().view(torch.int32)
+                else:
+                    flat = self.data.view(-1, self.data.shape[-1])
+                n = rows.shape[0]
+                flat.index_copy_(0, target if len(pieces) == 1 else target[offset : offset + n], rows)
+                offset += n
             if on_device:
-                self._hold(parts)
+                event = self._hold(joined.loose)
+                for ring in joined.rings:  # ring views need no keeping: the ring waits for the event
+                    ring.fence(event)
 
-    def _hold(self, rows: list[torch.Tensor]) -> None:
+    def _hold(self, rows: list[torch.Tensor]) -> Any:
         """Keep `rows` until the copy just issued on the proof stream has read them (writes
-        before it are let go once their events have passed)."""
+        before it are let go once their events have passed); returns the event that says so."""
         while self._in_flight and self._in_flight[0][0].query():
             self._events.append(self._in_flight.pop(0)[0])
         event = self._events.pop() if self._events else torch.cuda.Event()
         event.record()  # recorded again once passed, rather than a new CUDA event per write
         self._in_flight.append((event, rows))
+        return event
 
 
-def staged_index(runs: list[list[tuple[int, int, int]]], sizes: list[int], discard: int) -> np.ndarray:
+def _triples(runs: list[int]) -> Any:
+    """(start, first, count) of each run of a flat run list."""
+    it = iter(runs)
+    return zip(it, it, it)
+
+
+def staged_index(runs: list[list[int]], sizes: list[int], discard: int) -> np.ndarray:
     """The flat store row of every row of some staged steps, concatenated: step s has `sizes[s]`
-    rows, and its runs (start, first, count) put its rows start.. at store rows first..; the
-    rows no run takes go to `discard`. Built in numpy once per flush from the runs that
-    `add_builder_rows` made anyway: at 64 requests a step's index as a Python list took ~50 us
-    of the scheduler thread, per step."""
-    per_step = [len(r) for r in runs]
-    flat = np.fromiter(itertools.chain.from_iterable(itertools.chain.from_iterable(runs)), np.int64,
-                       3 * sum(per_step)).reshape(-1, 3)
+    rows, and its runs (flat (start, first, count) triples) put its rows start.. at store rows
+    first..; the rows no run takes go to `discard`. Built in numpy once per flush from the runs
+    that `add_builder_rows` made anyway: at 64 requests a step's index as a Python list took
+    ~50 us of the scheduler thread, per step."""
+    per_step = [len(r) // 3 for r in runs]
+    flat = np.fromiter(itertools.chain.from_iterable(runs), np.int64, 3 * sum(per_step)).reshape(-1, 3)
     sizes_arr = np.asarray(sizes, dtype=np.int64)
     count = flat[:, 2]
     offset_in_run = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
@@ -340,12 +359,26 @@ def staged_index(runs: list[list[tuple[int, int, int]]], sizes: list[int], disca
 KEPT_ATTR = "_sglang_rl_kept"
 
 
+RING_BYTES = STAGED_BYTES + STAGED_BYTES // 4
+"""The buffer that kept rows are copied into (`RowRing`): the staged rows, whose bytes start a
+flush at `STAGED_BYTES`, and the few steps kept meanwhile."""
+_rings: dict[tuple, RowRing] = {}  # by the rows' (dtype, width, device index): one on a server
+
+
 def keep_rows(rows: torch.Tensor) -> torch.Tensor:
     """A private copy of a step's device rows for the row store, made where sglang starts the
     step's host copies (before its copy_done event), so finished once the host has waited for
     that event, as the result hooks do before they route rows. The store may stage it for many
-    steps and write it with no stream wait (`RowStore.write`)."""
-    kept = rows.clone()
+    steps and write it with no stream wait (`RowStore.write`). The copy goes into the server's
+    `RowRing` (allocated on first use, `RING_BYTES`), beside the previous step's; rows that do
+    not fit there (a long prefill's, or while the ring is full) get a tensor of their own."""
+    kind = (rows.dtype, rows.shape[-1], rows.get_device())
+    ring = _rings.get(kind)
+    if ring is None and rows.is_cuda and rows.dim() == 2:
+        ring = _rings[kind] = RowRing(RING_BYTES // (rows.shape[1] * rows.element_size()), rows)
+    kept = ring.copy(rows) if ring is not None else None
+    if kept is None:
+        kept = rows.clone()
     setattr(kept, KEPT_ATTR, True)
     return kept
 
@@ -440,6 +473,8 @@ class _Chunk:
 
 class FingerprintBuilder:
     """Rows of one generating request, turned into proofs chunk by chunk."""
+
+    __slots__ = ("topk", "rows_seen", "slot", "fill", "chunks", "_cut", "done")
 
     def __init__(self, topk: int) -> None:
         self.topk = topk
@@ -671,19 +706,20 @@ def add_builder_rows(builders: list[FingerprintBuilder], rows: torch.Tensor, top
     if starts is None:
         starts = [0, *itertools.accumulate(counts[:-1])]
     hidden = rows.shape[-1]
-    runs: list[tuple[int, int, int]] = []
+    runs: list[int] = []  # flat (start, first, count) triples (`RowStore.write`)
     for b, start, count in zip(builders, starts, counts):
-        if b.slot is None:
-            b.slot = _store.acquire(hidden)
+        slot = b.slot
+        if slot is None:
+            slot = b.slot = _store.acquire(hidden)
         b.rows_seen += count
-        fill = b.fill + count
-        if fill < CHUNK_ROWS:
-            runs.append((start, b.slot * CHUNK_ROWS + b.fill, count))
-            b.fill = fill
+        fill = b.fill
+        if fill + count < CHUNK_ROWS:
+            runs += (start, slot * CHUNK_ROWS + fill, count)
+            b.fill = fill + count
             continue
         while count:
             take = min(count, CHUNK_ROWS - b.fill)
-            runs.append((start, b.slot * CHUNK_ROWS + b.fill, take))
+            runs += (start, b.slot * CHUNK_ROWS + b.fill, take)
             start += take
             count -= take
             b.fill += take
@@ -701,12 +737,9 @@ class FinishingBatch:
 
     def __init__(self, kept: list[tuple[FingerprintBuilder, Any, Optional[_Chunk]]]) -> None:
         self.kept = kept  # (builder, req, its last partial chunk, if any)
+        self.reqs = [req for _, req, _ in kept]
         self.jobs = {chunk.job for builder, _, tail in kept for chunk in (*builder.chunks, tail)
                      if chunk is not None and chunk.proof is None and chunk.job is not None}
-
-    @property
-    def reqs(self) -> list[Any]:
-        return [req for _, req, _ in self.kept]
 
     def ready(self) -> bool:
         """Whether every job that builds these requests' proofs is done."""
@@ -726,6 +759,7 @@ class FinishingBatch:
 
 
 _held: list[FinishingBatch] = []
+_held_ids: set[int] = set()  # ids of the requests of `_held`, kept as batches come and go
 
 
 def finish_builders(items: list[tuple[FingerprintBuilder, Any]]) -> list[Any]:
@@ -757,6 +791,7 @@ def finish_builders(items: list[tuple[FingerprintBuilder, Any]]) -> list[Any]:
         return []
     batch = FinishingBatch(kept)
     _held.append(batch)
+    _held_ids.update(map(id, batch.reqs))
     if _pending.future in batch.jobs:
         try:
             _pending.due()
@@ -773,7 +808,9 @@ def release_finished(wait: bool = False) -> list[Any]:
         _pending.flush()
     ready: list[Any] = []
     while _held and (wait or _held[0].ready()):
-        ready += _held.pop(0).release()
+        released = _held.pop(0).release()
+        _held_ids.difference_update(map(id, released))
+        ready += released
     return ready
 
 
@@ -784,8 +821,10 @@ def holds_requests() -> bool:
 
 def held_ids() -> set[int]:
     """ids of the requests held back (with the overlap schedule a finished request also shows up
-    in the next batch's outputs: it must not be streamed there without its fingerprint)."""
-    return {id(req) for batch in _held for req in batch.reqs}
+    in the next batch's outputs: it must not be streamed there without its fingerprint). The
+    live set, kept as requests are held and released (this is asked at every step while any
+    are held): read it, do not change it."""
+    return _held_ids
 
 
 class PrefillVerification:
