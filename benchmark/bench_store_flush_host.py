@@ -68,7 +68,7 @@ def breakdown(store: toploc.RowStore, requests: int, stride: int, steps: int, hi
         start = timed("flush: index array (staged_index)", start)
         with toploc._on_proof_stream():  # staged rows are `keep_rows` copies: no stream wait
             start = timed("flush: enter proof stream", start)
-            pieces = RowRing.join([r for r, _ in staged])
+            pieces = RowRing.join([r for r, _ in staged]).pieces
             start = timed("flush: join the ring's views", start)
             rows = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
             start = timed("flush: cat (where the views wrap)", start)

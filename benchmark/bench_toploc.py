@@ -111,27 +111,37 @@ def timed_shape(llm, shape: tuple[int, int, int | tuple[int, int]], runs: int, w
 PAIRED_FLAG = "/tmp/sglang-rl-bench-toploc-paired-off"
 
 
-def paired_shape(llm, text: str, pairs: int, profile_dir: str | None = None) -> dict:
+def paired_shape(llm, text: str, pairs: int, profile_dir: str | None = None, clone: bool = False) -> dict:
     """`pairs` adjacent (off, on) timed runs of one shape (`parse_shape`'s text) in one TOPLOC
     process: off while the flag file exists (no request gets a builder). Checks that the switch
     took: off runs carry no fingerprint, on runs one per request. With `profile_dir`, one more
     off run and on run follow, each under sglang's torch profiler (CPU ops, CUDA runtime calls
     and kernels; no Python stacks, which would slow every call), traced into
-    `<profile_dir>/<shape>-<mode>/` for `scheduler_timing/trace_diff.py`."""
+    `<profile_dir>/<shape>-<mode>/` for `scheduler_timing/trace_diff.py`. With `clone`, each
+    pair gets a third run, "clone": on, with each step's kept rows cloned instead of copied
+    into the row ring (the `.clone` flag of the ablation plugin's `paired` variant)."""
     shape = parse_shape(text)
     label = Path(PAIRED_FLAG + ".label")  # which run this is, for the phase timing plugin
     label.write_text("warmup")
     timed_shape(llm, shape, 0)  # untimed, as every mode's first batch
     label.write_text(text)
-    rates: dict[str, list[float]] = {"off": [], "on": []}
+    modes = ("off", "on", "clone") if clone else ("off", "on")
+    rates: dict[str, list[float]] = {mode: [] for mode in modes}
+    clone_flag = Path(PAIRED_FLAG + ".clone")
     try:
         for _ in range(pairs):
-            for mode in ("off", "on"):
+            for mode in modes:
                 if mode == "off":
                     Path(PAIRED_FLAG).touch()
                 elif os.path.exists(PAIRED_FLAG):
                     os.remove(PAIRED_FLAG)
+                if mode == "clone":
+                    clone_flag.touch()
+                    label.write_text(text + "/clone")
                 cell = timed_shape(llm, shape, 1, warm_up=False)
+                if mode == "clone":
+                    clone_flag.unlink()
+                    label.write_text(text)
                 want = 0 if mode == "off" else shape[0]
                 if cell["fingerprinted"] != want:
                     raise SystemExit(f"--paired: a {mode} run fingerprinted {cell['fingerprinted']} of {shape[0]} "
@@ -150,7 +160,8 @@ def paired_shape(llm, text: str, pairs: int, profile_dir: str | None = None) -> 
         if os.path.exists(PAIRED_FLAG):
             os.remove(PAIRED_FLAG)
         label.unlink(missing_ok=True)
-    return {"off": rates["off"], "on": rates["on"], "tokens_per_step": cell["tokens_per_step"]}
+        clone_flag.unlink(missing_ok=True)
+    return {**rates, "tokens_per_step": cell["tokens_per_step"]}
 
 
 def run_paired(args: argparse.Namespace) -> list[dict]:
@@ -160,13 +171,18 @@ def run_paired(args: argparse.Namespace) -> list[dict]:
     llm = engine_for(args, toploc=True)
     lines = []
     for text in args.shapes:
-        cell = paired_shape(llm, text, args.timed_runs, args.profile_dir)
+        cell = paired_shape(llm, text, args.timed_runs, args.profile_dir, args.compare_clone)
         ratios = [on / off for off, on in zip(cell["off"], cell["on"])]
-        lines.append({"shape": text, "off_median": round(statistics.median(cell["off"]), 1),
-                      "on_median": round(statistics.median(cell["on"]), 1),
-                      "pair_ratios": " ".join(f"{r:.3f}" for r in ratios),
-                      "median_pair_ratio": round(statistics.median(ratios), 3),
-                      "tokens_per_step": cell["tokens_per_step"]})
+        line = {"shape": text, "off_median": round(statistics.median(cell["off"]), 1),
+                "on_median": round(statistics.median(cell["on"]), 1),
+                "pair_ratios": " ".join(f"{r:.3f}" for r in ratios),
+                "median_pair_ratio": round(statistics.median(ratios), 3),
+                "tokens_per_step": cell["tokens_per_step"]}
+        if args.compare_clone:
+            clones = [c / off for off, c in zip(cell["off"], cell["clone"])]
+            line["clone_median_pair_ratio"] = round(statistics.median(clones), 3)
+            line["clone_pair_ratios"] = " ".join(f"{r:.3f}" for r in clones)
+        lines.append(line)
     llm.shutdown()
     return lines
 
@@ -282,13 +298,16 @@ def main() -> None:
                    help="one TOPLOC process whose timed runs alternate off/on (--timed-runs pairs per shape)")
     p.add_argument("--profile-dir", help="--paired: after each shape's pairs, trace one off and one on run "
                    "with sglang's torch profiler into this folder (scheduler_timing/trace_diff.py reads it)")
+    p.add_argument("--compare-clone", action="store_true", help="--paired: a third run per pair, on with "
+                   "each step's kept rows cloned instead of copied into the row ring")
     p.add_argument("--one-mode", help=argparse.SUPPRESS)
     args = p.parse_args() if "--eagle" in sys.argv else parse_with_model(p)
     if args.paired:
         lines = run_paired(args)
         print(f"\nTOPLOC on vs off in one process, {args.timed_runs} adjacent (off, on) pairs per shape")
         print_table(lines, ["shape", "off_median", "on_median", "median_pair_ratio", "pair_ratios",
-                            "tokens_per_step"])
+                            "tokens_per_step"] + (["clone_median_pair_ratio", "clone_pair_ratios"]
+                                                  if args.compare_clone else []))
         return
     if args.one_mode:
         print("RESULT " + json.dumps(run_mode(args, args.one_mode)), flush=True)

@@ -211,7 +211,33 @@ def main() -> int:
     print("|---|" + "---|" * len(columns))
     for phase in NAMES:
         print(f"| {phase} | " + " | ".join(_cell(merged[c].get(phase, []), steps[c]) for c in columns) + " |")
+    _plugin_summary(merged, columns, steps)
     return 0
+
+
+def _plugin_summary(merged: dict[str, dict[str, list[float]]], columns: list[str], steps: dict[str, int]) -> None:
+    """One line per "on" column: sglang-rl's own host time per step (steady calls, us): keep_rows,
+    add_builder_rows (with the flushes and launches inside it), release_finished plus the held
+    streaming (nested calls counted in both, as in the phase rows), finish_builders, their sum;
+    the jobs and flushes; and the loop's time per step against the off column beside it."""
+    def us(column: str, phase: str) -> float:
+        return sum(t for t in merged[column].get(phase, []) if t < LONG_S) / steps[column] * 1e6
+
+    on_columns = [c for c in columns if c.endswith(":on") and merged[c].get("rl.keep_rows")]
+    if not on_columns:
+        return
+    print("\nsglang-rl host time per step (us; release + held: release_finished + stream_held)")
+    print("| column | keep_rows | add_builder_rows (flush, launch) | release + held | finish_builders | all | "
+          "jobs | flushes | iteration off -> on |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for c in on_columns:
+        parts = [us(c, "rl.keep_rows"), us(c, "rl.add_builder_rows"),
+                 us(c, "rl.release_finished") + us(c, "rl.stream_held"), us(c, "rl.finish_builders")]
+        off = c[: -len(":on")].split("/")[0] + ":off"  # "shape/variant:on" beside "shape:off"
+        loop = f"{us(off, 'iteration'):.0f} -> {us(c, 'iteration'):.0f}" if off in merged else ""
+        print(f"| {c} | {parts[0]:.0f} | {parts[1]:.0f} ({us(c, 'rl.store_flush'):.0f}, {us(c, 'rl.proof_launch'):.0f})"
+              f" | {parts[2]:.0f} | {parts[3]:.0f} | {sum(parts):.0f} | {len(merged[c].get('rl.proof_launch', []))}"
+              f" | {len(merged[c].get('rl.store_flush', []))} | {loop} |")
 
 
 if __name__ == "__main__":

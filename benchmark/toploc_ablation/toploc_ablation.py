@@ -17,7 +17,9 @@ And variants that switch nothing off:
 * `high_priority`: the proof jobs run on a stream of the device's highest priority;
 * `paired`: a request gets no fingerprint builder while the file named by
   `SGLANG_RL_TOPLOC_PAIRED_FLAG` exists (as `no_builders`), so one process can alternate its timed
-  runs between TOPLOC on and, in effect, off (`bench_toploc.py --paired`).
+  runs between TOPLOC on and, in effect, off (`bench_toploc.py --paired`); while the file of that
+  name plus `.clone` exists, each step's kept rows are a fresh clone instead of a view of the
+  row ring (`bench_toploc.py --paired --compare-clone`).
 
     PYTHONPATH=$PYTHONPATH:benchmark/toploc_ablation SGLANG_RL_TOPLOC_ABLATION=no_rows \\
         python benchmark/bench_toploc.py ... --modes on
@@ -41,6 +43,17 @@ def _paired(original: Any, *args: Any, **kwargs: Any) -> Any:
     if os.path.exists(os.environ["SGLANG_RL_TOPLOC_PAIRED_FLAG"]):
         return None
     return original(*args, **kwargs)
+
+
+def _paired_keep(original: Any, rows: Any) -> Any:
+    """`keep_rows`, or while the `.clone` flag exists a clone of the rows, as before the ring."""
+    if not os.path.exists(os.environ["SGLANG_RL_TOPLOC_PAIRED_FLAG"] + ".clone"):
+        return original(rows)
+    from sglang_rl.adapters import toploc
+
+    kept = rows.clone()
+    setattr(kept, toploc.KEPT_ATTR, True)
+    return kept
 
 
 def _no_rows(*args: Any, **kwargs: Any) -> None:
@@ -80,6 +93,7 @@ def register() -> None:
         HookRegistry.register(f"{TOPLOC}.finish_builders", _nothing_held, HookType.REPLACE)
     elif part == "paired":
         HookRegistry.register(f"{TOPLOC}.state_for_request", _paired, HookType.AROUND)
+        HookRegistry.register(f"{TOPLOC}.keep_rows", _paired_keep, HookType.AROUND)
     elif part == "high_priority":
         from sglang_rl.adapters import toploc
 
