@@ -27,6 +27,10 @@ ablation of docs/benchmarks.md found costs nothing measurable). Drift between pr
 cancels, and each shape's line gives on/off of every adjacent pair and their median:
 
     PYTHONPATH=$PYTHONPATH:benchmark/toploc_ablation python benchmark/bench_toploc.py --eagle --paired ...
+
+With `--paired`, `--compare-clone` adds a third run to each pair (on, with each step's kept rows
+cloned rather than copied into the row ring), and `--profile-dir DIR` traces one more off and on
+run per shape with sglang's torch profiler (`scheduler_timing/trace_diff.py DIR/S-off DIR/S-on`).
 """
 
 from __future__ import annotations
@@ -168,6 +172,8 @@ def run_paired(args: argparse.Namespace) -> list[dict]:
     """One TOPLOC process, its timed runs alternating between off and on (`paired_shape`)."""
     os.environ["SGLANG_RL_TOPLOC_ABLATION"] = "paired"
     os.environ["SGLANG_RL_TOPLOC_PAIRED_FLAG"] = PAIRED_FLAG
+    if args.compare_clone:
+        os.environ["SGLANG_RL_TOPLOC_PAIRED_CLONE"] = "1"
     llm = engine_for(args, toploc=True)
     lines = []
     for text in args.shapes:

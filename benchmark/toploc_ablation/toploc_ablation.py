@@ -17,9 +17,10 @@ And variants that switch nothing off:
 * `high_priority`: the proof jobs run on a stream of the device's highest priority;
 * `paired`: a request gets no fingerprint builder while the file named by
   `SGLANG_RL_TOPLOC_PAIRED_FLAG` exists (as `no_builders`), so one process can alternate its timed
-  runs between TOPLOC on and, in effect, off (`bench_toploc.py --paired`); while the file of that
-  name plus `.clone` exists, each step's kept rows are a fresh clone instead of a view of the
-  row ring (`bench_toploc.py --paired --compare-clone`).
+  runs between TOPLOC on and, in effect, off (`bench_toploc.py --paired`). With
+  `SGLANG_RL_TOPLOC_PAIRED_CLONE` set, while the file of that name plus `.clone` exists, each
+  step's kept rows are a fresh clone instead of a view of the row ring
+  (`bench_toploc.py --paired --compare-clone`; unset, no step looks for that file).
 
     PYTHONPATH=$PYTHONPATH:benchmark/toploc_ablation SGLANG_RL_TOPLOC_ABLATION=no_rows \\
         python benchmark/bench_toploc.py ... --modes on
@@ -93,7 +94,8 @@ def register() -> None:
         HookRegistry.register(f"{TOPLOC}.finish_builders", _nothing_held, HookType.REPLACE)
     elif part == "paired":
         HookRegistry.register(f"{TOPLOC}.state_for_request", _paired, HookType.AROUND)
-        HookRegistry.register(f"{TOPLOC}.keep_rows", _paired_keep, HookType.AROUND)
+        if os.environ.get("SGLANG_RL_TOPLOC_PAIRED_CLONE"):
+            HookRegistry.register(f"{TOPLOC}.keep_rows", _paired_keep, HookType.AROUND)
     elif part == "high_priority":
         from sglang_rl.adapters import toploc
 
