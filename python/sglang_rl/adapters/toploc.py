@@ -362,7 +362,7 @@ KEPT_ATTR = "_sglang_rl_kept"
 RING_BYTES = STAGED_BYTES + STAGED_BYTES // 4
 """The buffer that kept rows are copied into (`RowRing`): the staged rows, whose bytes start a
 flush at `STAGED_BYTES`, and the few steps kept meanwhile."""
-_rings: dict[tuple, RowRing] = {}  # by the rows' (dtype, width, device index): one on a server
+_rings: dict[tuple, Optional[RowRing]] = {}  # by the rows' (dtype, width, device index); None: no ring
 
 
 def keep_rows(rows: torch.Tensor) -> torch.Tensor:
@@ -373,14 +373,28 @@ def keep_rows(rows: torch.Tensor) -> torch.Tensor:
     `RowRing` (allocated on first use, `RING_BYTES`), beside the previous step's; rows that do
     not fit there (a long prefill's, or while the ring is full) get a tensor of their own."""
     kind = (rows.dtype, rows.shape[-1], rows.get_device())
-    ring = _rings.get(kind)
-    if ring is None and rows.is_cuda and rows.dim() == 2:
-        ring = _rings[kind] = RowRing(RING_BYTES // (rows.shape[1] * rows.element_size()), rows)
+    ring = _rings.get(kind, False)
+    if ring is False:
+        ring = _rings[kind] = _new_ring(rows)
     kept = ring.copy(rows) if ring is not None else None
     if kept is None:
         kept = rows.clone()
     setattr(kept, KEPT_ATTR, True)
     return kept
+
+
+def _new_ring(rows: torch.Tensor) -> Optional[RowRing]:
+    """The ring for device rows like these (None for host rows). Allocated while the server
+    runs, out of the memory sglang leaves free: where `RING_BYTES` do not fit, kept rows are
+    cloned step by step, as before the ring, rather than the step failing."""
+    if not (rows.is_cuda and rows.dim() == 2):
+        return None
+    try:
+        return RowRing(RING_BYTES // (rows.shape[1] * rows.element_size()), rows)
+    except torch.cuda.OutOfMemoryError:
+        logger.warning("no room for the %d MB row ring: TOPLOC copies each step's rows apart",
+                       RING_BYTES >> 20)
+        return None
 
 
 def pick_rows(rows: torch.Tensor, picks: list[int] | range) -> torch.Tensor:
