@@ -188,7 +188,8 @@ def _cell(calls: list[float], steps: int) -> str:
 
 def main() -> int:
     """Print the phases of each folder given (one per variant, say): the steady host time of each
-    phase per scheduler step (run_batch call)."""
+    phase per scheduler step (run_batch call), then sglang-rl's own per on column
+    (`_plugin_summary`)."""
     import sys
 
     merged: dict[str, dict[str, list[float]]] = {}  # by column: a folder, or a folder's mode
