@@ -68,18 +68,20 @@ def breakdown(store: toploc.RowStore, requests: int, stride: int, steps: int, hi
         start = timed("flush: index array (staged_index)", start)
         with toploc._on_proof_stream():  # staged rows are `keep_rows` copies: no stream wait
             start = timed("flush: enter proof stream", start)
-            pieces = RowRing.join([r for r, _ in staged]).pieces
+            joined = RowRing.join([r for r, _ in staged])
             start = timed("flush: join the ring's views", start)
-            rows = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-            start = timed("flush: cat (where the views wrap)", start)
-            words = rows.view(torch.int32)
-            start = timed("flush: view int32", start)
             on_device = device_index(index, device)
             start = timed("flush: device_index", start)
-            store._words.index_copy_(0, on_device, words)
-            start = timed("flush: index_copy_", start)
-            store._hold([r for r, _ in staged])
-            start = timed("flush: hold (event)", start)
+            offset = 0
+            for rows in joined.pieces:  # two where the views wrap round the ring's end
+                n = rows.shape[0]
+                store._words.index_copy_(0, on_device[offset : offset + n], rows.view(torch.int32))
+                offset += n
+            start = timed("flush: view int32 and index_copy_ (per piece)", start)
+            event = store._hold(joined.loose)
+            for ring in joined.rings:
+                ring.fence(event)
+            start = timed("flush: hold (event) and fence the ring", start)
         timed("flush: leave proof stream", start)
         torch.cuda.synchronize()
         alternatives(index, device, pinned, reused, timed)

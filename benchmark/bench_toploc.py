@@ -115,6 +115,15 @@ def timed_shape(llm, shape: tuple[int, int, int | tuple[int, int]], runs: int, w
 PAIRED_FLAG = "/tmp/sglang-rl-bench-toploc-paired-off"
 
 
+def _builders_on(on: bool) -> None:
+    """Switch the paired process's requests to get fingerprint builders (on) or none (off: the
+    flag file exists)."""
+    if not on:
+        Path(PAIRED_FLAG).touch()
+    else:
+        Path(PAIRED_FLAG).unlink(missing_ok=True)
+
+
 def paired_shape(llm, text: str, pairs: int, profile_dir: str | None = None, clone: bool = False) -> dict:
     """`pairs` adjacent (off, on) timed runs of one shape (`parse_shape`'s text) in one TOPLOC
     process: off while the flag file exists (no request gets a builder). Checks that the switch
@@ -135,10 +144,7 @@ def paired_shape(llm, text: str, pairs: int, profile_dir: str | None = None, clo
     try:
         for _ in range(pairs):
             for mode in modes:
-                if mode == "off":
-                    Path(PAIRED_FLAG).touch()
-                elif os.path.exists(PAIRED_FLAG):
-                    os.remove(PAIRED_FLAG)
+                _builders_on(mode != "off")
                 if mode == "clone":
                     clone_flag.touch()
                     label.write_text(text + "/clone")
@@ -152,17 +158,13 @@ def paired_shape(llm, text: str, pairs: int, profile_dir: str | None = None, clo
                                      "requests (is benchmark/toploc_ablation on PYTHONPATH?)")
                 rates[mode] += cell["rates"]
         for mode in ("off", "on") if profile_dir else ():
-            if mode == "off":
-                Path(PAIRED_FLAG).touch()
-            elif os.path.exists(PAIRED_FLAG):
-                os.remove(PAIRED_FLAG)
+            _builders_on(mode == "on")
             llm.start_profile(output_dir=f"{profile_dir}/{text}-{mode}", with_stack=False,
                               record_shapes=False, activities=["CPU", "GPU"], profile_id=mode)
             timed_shape(llm, shape, 1, warm_up=False)
             llm.stop_profile()
     finally:
-        if os.path.exists(PAIRED_FLAG):
-            os.remove(PAIRED_FLAG)
+        _builders_on(True)
         label.unlink(missing_ok=True)
         clone_flag.unlink(missing_ok=True)
     return {**rates, "tokens_per_step": cell["tokens_per_step"]}

@@ -176,13 +176,18 @@ def register() -> None:
         gc.callbacks.append(_gc)
 
 
+def _steady_us(calls: list[float], steps: int) -> float:
+    """A phase's steady cost per step in us: its calls under LONG_S."""
+    return sum(t for t in calls if t < LONG_S) / steps * 1e6
+
+
 def _cell(calls: list[float], steps: int) -> str:
     """A phase's steady cost per step (calls under LONG_S), its calls and median call, and the
     long calls apart."""
     short = [t for t in calls if t < LONG_S]
     long = [t for t in calls if t >= LONG_S]
     median = statistics.median(short) * 1e6 if short else 0.0
-    text = f"{sum(short) / steps * 1e6:.0f} us/step ({len(short)} calls, median {median:.0f} us"
+    text = f"{_steady_us(calls, steps):.0f} us/step ({len(short)} calls, median {median:.0f} us"
     return text + (f"; {len(long)} long: {sum(long):.2f} s)" if long else ")")
 
 
@@ -222,7 +227,7 @@ def _plugin_summary(merged: dict[str, dict[str, list[float]]], columns: list[str
     streaming (nested calls counted in both, as in the phase rows), finish_builders, their sum;
     the jobs and flushes; and the loop's time per step against the off column beside it."""
     def us(column: str, phase: str) -> float:
-        return sum(t for t in merged[column].get(phase, []) if t < LONG_S) / steps[column] * 1e6
+        return _steady_us(merged[column].get(phase, []), steps[column])
 
     on_columns = [c for c in columns if c.endswith(":on") and merged[c].get("rl.keep_rows")]
     if not on_columns:
