@@ -234,8 +234,8 @@ class RowStore:
     def write(self, runs: list[int], rows: torch.Tensor, kept: int) -> None:
         """Store the step's rows: each run, three ints (start, first, count) of the flat list
         `runs`, puts rows[start : start + count] at flat rows first.. (slot * 32 + row in
-        chunk); `kept` is the runs' rows in all. Flat ints rather than a tuple per run: half
-        the cost to build, and nothing for Python's collector to track while staged.
+        chunk); `kept` is the runs' rows in all. Flat ints rather than a tuple per run: nothing
+        for Python's collector to track while staged.
 
         When most rows are kept (a decode step) all of them go in one scatter, those no run takes
         to the discard slot. Rows of `keep_rows` on the store's device (a private, finished copy)
