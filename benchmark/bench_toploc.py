@@ -3,8 +3,9 @@ replay pass rates, in one run. Prints a markdown table.
 
 GPU (8B-shaped dummy weights):
     python benchmark/bench_toploc.py --model-path /tmp/m8b --dummy
-GPU, the same with EAGLE (a Llama target + an EAGLE draft built to be accepted, spec_models.py):
-    python benchmark/bench_toploc.py --eagle --tokenizer-dir /tmp/tok --disable-cuda-graph
+GPU, the same with EAGLE (a Llama target + an EAGLE draft built to be accepted, spec_models.py);
+32 layers at width 4096 is the 8B shape (~6.5B parameters, written in about a minute):
+    python benchmark/bench_toploc.py --eagle --tokenizer-dir /tmp/tok --eagle-hidden 4096 --eagle-layers 32
 CPU smoke run (default model):
     python benchmark/bench_toploc.py --cpu --shapes 4x16x16 --replay-total 4
 
@@ -296,9 +297,10 @@ def main() -> None:
     p.add_argument("--eagle", action="store_true", help="EAGLE target + draft from spec_models.py")
     p.add_argument("--tokenizer-dir", default="/tmp/tok", help="tokenizer files for --eagle")
     p.add_argument("--work-dir", default="/tmp/bench-toploc-eagle", help="where --eagle writes its models")
-    p.add_argument("--eagle-hidden", type=int, default=1024, help="--eagle target width (4096: an 8B-wide "
-                   "target whose steps are bound by the GPU rather than the scheduler's host work)")
-    p.add_argument("--eagle-layers", type=int, default=4, help="--eagle target layers")
+    p.add_argument("--eagle-hidden", type=int, default=1024, help="--eagle target width (4096 with 32 "
+                   "layers: the 8B shape)")
+    p.add_argument("--eagle-layers", type=int, default=4, help="--eagle target layers (at width 4096, 8 "
+                   "layers leave a step bound by the scheduler's host work; 32, the 8B shape, by the GPU)")
     p.add_argument("--disable-cuda-graph", action="store_true",
                    help="both modes without CUDA graphs (the GPU kit lacks deep_gemm, which EAGLE's draft "
                         "graph capture imports)")
