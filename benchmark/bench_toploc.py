@@ -4,7 +4,7 @@ replay pass rates, in one run. Prints a markdown table.
 GPU (8B-shaped dummy weights):
     python benchmark/bench_toploc.py --model-path /tmp/m8b --dummy
 GPU, the same with EAGLE (a Llama target + an EAGLE draft built to be accepted, spec_models.py);
-32 layers at width 4096 is the 8B shape (~6.5B parameters, written in about a minute):
+32 layers at width 4096 is the 8B shape (~6.2B parameters, written in about a minute):
     python benchmark/bench_toploc.py --eagle --tokenizer-dir /tmp/tok --eagle-hidden 4096 --eagle-layers 32
 CPU smoke run (default model):
     python benchmark/bench_toploc.py --cpu --shapes 4x16x16 --replay-total 4
