@@ -52,9 +52,7 @@ def _paired_keep(original: Any, rows: Any) -> Any:
         return original(rows)
     from sglang_rl.adapters import toploc
 
-    kept = rows.clone()
-    setattr(kept, toploc.KEPT_ATTR, True)
-    return kept
+    return toploc.clone_kept(rows)
 
 
 def _no_rows(*args: Any, **kwargs: Any) -> None:

@@ -378,7 +378,14 @@ def keep_rows(rows: torch.Tensor) -> torch.Tensor:
         ring = _rings[kind] = _new_ring(rows)
     kept = ring.copy(rows) if ring is not None else None
     if kept is None:
-        kept = rows.clone()
+        return clone_kept(rows)
+    setattr(kept, KEPT_ATTR, True)
+    return kept
+
+
+def clone_kept(rows: torch.Tensor) -> torch.Tensor:
+    """`keep_rows` without the ring: a tensor of its own, marked as a kept copy."""
+    kept = rows.clone()
     setattr(kept, KEPT_ATTR, True)
     return kept
 
