@@ -32,8 +32,13 @@ MODES = {
 }
 
 
+def _rows_field(meta: dict):
+    """The plugin's rows field, or upstream's when the request took upstream's path."""
+    return meta.get("hidden_states_rows", meta.get("hidden_states"))
+
+
 def payload_bytes(meta: dict) -> int:
-    hs = meta.get("hidden_states")
+    hs = _rows_field(meta)
     if isinstance(hs, dict):
         return len(hs.get("data", ""))
     if hs is None:
@@ -49,7 +54,7 @@ def rows_of(meta: dict):
 
     from sglang_rl.hidden_states import decode_rows
 
-    hs = meta.get("hidden_states")
+    hs = _rows_field(meta)
     if hs is None:
         return None
     if isinstance(hs, dict):

@@ -47,9 +47,9 @@ def run_group(args: argparse.Namespace, group: str) -> dict:
                         hidden_states_format="tensor")
     saved = {
         "output_ids": [list(o["output_ids"]) for o in full],
-        "rows": [o["meta_info"]["hidden_states"].float() for o in full],
+        "rows": [o["meta_info"]["hidden_states_rows"].float() for o in full],
         "positions": [o["meta_info"]["hidden_states_positions"] for o in full],
-        "last_rows": [o["meta_info"]["hidden_states"].float() for o in last],
+        "last_rows": [o["meta_info"]["hidden_states_rows"].float() for o in last],
         "last_positions": [o["meta_info"]["hidden_states_positions"] for o in last],
         "last_output_ids": [list(o["output_ids"]) for o in last],
         "verify_ct": [o["meta_info"].get("spec_verify_ct") for o in full],
@@ -60,7 +60,7 @@ def run_group(args: argparse.Namespace, group: str) -> dict:
         replay_ids = [p + o for p, o in zip(prompts, spec["output_ids"])]
         replay = llm.generate(input_ids=replay_ids, sampling_params={"max_new_tokens": 0},
                               return_hidden_states=True, hidden_states_format="tensor")
-        saved["replay_rows"] = [o["meta_info"]["hidden_states"].float() for o in replay]
+        saved["replay_rows"] = [o["meta_info"]["hidden_states_rows"].float() for o in replay]
         saved["replay_positions"] = [o["meta_info"]["hidden_states_positions"] for o in replay]
     llm.shutdown()
     torch.save(saved, work / f"{group}.pt")

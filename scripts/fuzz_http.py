@@ -5,10 +5,12 @@ its ids and fingerprint, and a canary request's greedy output), then sends N see
 to /generate, /v1/completions and /v1/chat/completions (batches included), several at a time.
 Each field gets values from a pool of valid ones, wrong types, out-of-range numbers, odd strings
 and nested lists; fingerprints are valid ones, mutated ones (bit flips, truncation, spliced
-headers, random bytes) and other requests' ones. Every answer must be a 400 with a reason or a
-well-formed 200; never a 5xx, a hang or a dead server. Every 250 cases the canary must still get
-its original greedy output (no request affects another). Prints a one-line summary and exits 1
-on any violation.
+headers, random bytes) and other requests' ones. A quarter of the cases also carry sglang's own
+grammar constraints (regex, json_schema, ebnf; response_format json_schema/json_object on the
+OpenAI endpoints), valid and malformed (those get sglang's own 400). Every answer must be a 400
+with a reason or a well-formed 200; never a 5xx, a hang or a dead server. Every 250 cases the
+canary must still get its original greedy output (no request affects another). Prints a one-line
+summary and exits 1 on any violation.
 """
 
 from __future__ import annotations
@@ -41,6 +43,34 @@ VALID = {
     "kcbs_enabled": [True, False], "kcbs_beam_width": [1, 2, 3], "kcbs_steps": [1, 2],
     "kcbs_final_prune": [True, False], "drafter_cotrain": [False],
 }
+
+# sglang's own grammar fields, valid and malformed; a list or dict as a grammar and a NUL in one
+# kill sglang's scheduler, so sglang-rl refuses them (request_options.validate_grammar). Left
+# out: a truthy non-dict response_format, which sglang's chat request validator answers with a
+# 500 (sglang's own answer, not a lost server).
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+          "required": ["name", "age"], "additionalProperties": False}
+SCHEMAS = [SCHEMA, {"type": "object"}, {"type": "array", "items": {"type": "integer"}, "maxItems": 3},
+           {"enum": ["a", "b"]}, {}, {"type": "nonsense"}, {"type": 5}, {"$ref": "#/nope"},
+           {"type": "string", "pattern": "(["}, {"type": "integer", "minimum": 5, "maximum": 1}]
+GRAMMARS = {
+    "regex": [r"(yes|no),[0-9]{3}", r"[a-z]{1,6}", r"\d+", r"(a|b)*c", r"(yes|no), [0-9]{3}", "A" * 300,
+              "", "(unclosed[", "*", "a{3,1}", "\\", "(?<=x)y", "[z-a]", 5, True, None,
+              ["yes", "no"], {"a": 1}, "\x00a", "a\x00"],
+    "json_schema": [json.dumps(s) for s in SCHEMAS] + ["{not json", "", "null", "[]", 7, SCHEMA,
+                                                       json.dumps({"type": "string", "pattern": "\x00a"})],
+    "ebnf": ['root ::= "yes" | "no"', "root ::= [0-9]+", "", "root ::= (", 'x ::= "a"', "root ::= undefined"],
+    "response_format": [{"type": "json_object"}, {"type": "text"}, {"type": "json_schema"}, {"type": "bogus"},
+                        {"type": "json_schema", "json_schema": {"name": "x", "schema": "zz"}}, None, {},
+                        *({"type": "json_schema", "json_schema": {"name": "x", "schema": s}} for s in SCHEMAS)],
+}
+
+
+def grammar_fields(rng: random.Random, openai: bool) -> dict:
+    """One grammar constraint, now and then two (which sglang must refuse)."""
+    kinds = [k for k in GRAMMARS if openai or k != "response_format"]
+    return {k: rng.choice(GRAMMARS[k]) for k in rng.sample(kinds, 1 if rng.random() < 0.9 else 2)}
 
 
 def mutate_fingerprint(rng: random.Random, fp: str) -> str:
@@ -81,10 +111,13 @@ def make_case(rng: random.Random, material: dict) -> tuple[str, dict]:
     verify = FP in fields
     max_tokens = 0 if verify and rng.random() < 0.8 else rng.choice([0, 1, 2, 4, -1])
     endpoint = rng.choice(["generate", "generate", "completions", "chat", "generate-batch"])
+    grammar = grammar_fields(rng, endpoint in ("completions", "chat")) if rng.random() < 0.25 else {}
+    if grammar and not verify and rng.random() < 0.5:
+        max_tokens = 16  # long enough for the grammar's mask to steer several steps
     ids = material["ids"]
     if endpoint == "generate":
         prompt = {"input_ids": ids} if verify else {"text": rng.choice(["Hi", "Count: 1, 2,", ""])}
-        return "/generate", {**prompt, "sampling_params": {"max_new_tokens": max_tokens,
+        return "/generate", {**prompt, "sampling_params": {"max_new_tokens": max_tokens, **grammar,
                                                            "temperature": rng.choice([0, 1.0])}, **fields}
     if endpoint == "generate-batch":
         n = rng.randrange(1, 4)
@@ -92,15 +125,16 @@ def make_case(rng: random.Random, material: dict) -> tuple[str, dict]:
         # only sglang-rl fields go inside sampling_params (sglang itself answers an unknown sampling
         # parameter such as return_hidden_states there with a 500: not ours to fuzz)
         params = [{"max_new_tokens": max_tokens, **{k: v for k, v in fields.items() if k not in per_item
-                                                     and k in ALL_FIELDS and rng.random() < 0.5}}
+                                                     and k in ALL_FIELDS and rng.random() < 0.5},
+                   **(grammar if rng.random() < 0.5 else {})}
                   for _ in range(n)]
         per_item.update({k: v for k, v in fields.items() if k not in ALL_FIELDS})
         return "/generate", {"input_ids": [ids] * n, "sampling_params": params, **per_item}
     if endpoint == "completions":
         return "/v1/completions", {"model": "default", "prompt": ids if verify else "Hello",
-                                   "max_tokens": max_tokens, "stream": rng.random() < 0.2, **fields}
+                                   "max_tokens": max_tokens, "stream": rng.random() < 0.2, **grammar, **fields}
     return "/v1/chat/completions", {"model": "default", "messages": [{"role": "user", "content": "Hi"}],
-                                    "max_tokens": max_tokens, "stream": rng.random() < 0.2, **fields}
+                                    "max_tokens": max_tokens, "stream": rng.random() < 0.2, **grammar, **fields}
 
 
 def judge(resp: requests.Response) -> str:

@@ -243,11 +243,11 @@ def check_rows(fields: dict, request: dict) -> Optional[str]:
     """None if the rows are the ones asked for (positions, shape, finite), else what is wrong."""
     want = _expected_positions(fields, request)
     if request["hidden_states_format"] == "base64":
-        rows, positions = decode_rows_numpy(fields["hidden_states"])
+        rows, positions = decode_rows_numpy(fields["hidden_states_rows"])
         shape = rows.shape
         finite = bool((abs(rows) < 1e6).all())
     else:
-        rows, positions = fields["hidden_states"], fields["hidden_states_positions"]
+        rows, positions = fields["hidden_states_rows"], fields["hidden_states_positions"]
         shape = (len(rows), len(rows[0]) if rows else 0)
         finite = all(abs(x) < 1e6 for row in rows for x in row)
     if positions != want or shape[0] != len(want) or (want and shape[1] == 0) or not finite:

@@ -6,6 +6,7 @@ safetensors), converting the GGUF file shipped in the package on first use. No m
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -55,17 +56,34 @@ def build(target: Path) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     fresh.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
+    use_byte_level_decoder(tmp)
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)
     return target
 
 
+def use_byte_level_decoder(folder: Path) -> None:
+    """Give the converted tokenizer SmolLM2's own decoder, ByteLevel alone. The GGUF conversion
+    writes a sentencepiece-style chain (ByteFallback, Fuse, Replace, ByteLevel) that decodes the
+    same text, but grammar backends read it as a byte-fallback vocabulary and then never allow a
+    token that starts with a space (xgrammar's tokenizer-info detection)."""
+    path = folder / "tokenizer.json"
+    data = json.loads(path.read_text())
+    byte_level = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}
+    if data.get("decoder") != byte_level:
+        data["decoder"] = byte_level
+        path.write_text(json.dumps(data, ensure_ascii=False))
+
+
 def ensure_default_model() -> Path:
-    """Return the default model folder, building it if it is missing."""
+    """Return the default model folder, building it if it is missing (a folder converted before
+    the decoder fix gets it in place)."""
     target = model_dir()
     if not (target / "config.json").exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         build(target)
+    else:
+        use_byte_level_decoder(target)
     return target
 
 

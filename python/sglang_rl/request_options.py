@@ -32,6 +32,12 @@ ALL_FIELDS = TOPLOC_FIELDS + IDS_FIELDS + HIDDEN_STATES_FIELDS + KCBS_FIELDS + C
 KCBS_MAX_BEAM_WIDTH = 32
 KCBS_MAX_STEPS = 1024
 
+# Response fields of a request's hidden-state rows. They are named apart from upstream's
+# `hidden_states` (meta_info, OpenAI choices), which a request that uses these fields turns off.
+HIDDEN_STATES_ROWS_FIELD = "hidden_states_rows"
+HIDDEN_STATES_POSITIONS_FIELD = "hidden_states_positions"
+HIDDEN_STATES_ERROR_FIELD = "hidden_states_error"
+
 # Internal keys set by the API layer, never by users.
 RESPONSE_START_KEY = "toploc_response_start"
 
@@ -84,6 +90,24 @@ def validate_fields(fields: dict, server_args: Any) -> dict:
         if not cotrain:
             out["cotrain_opt_out"] = True  # sglang_rl.adapters.cotrain.OPT_OUT_KEY
     return out
+
+
+# sglang's own grammar fields of sampling_params.
+GRAMMAR_PARAMS = ("regex", "json_schema", "ebnf", "structural_tag")
+
+
+def validate_grammar(params: dict) -> None:
+    """Refuse the grammar values that kill sglang's scheduler instead of failing one request: a
+    value that is not a string (an unhashable grammar cache key) and a NUL character, raw or
+    JSON-escaped (xgrammar 0.2.1 crashes the process on it)."""
+    for name in GRAMMAR_PARAMS:
+        value = params.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise RequestOptionError(f"{name} must be a string, got {type(value).__name__}")
+        if "\x00" in value or "\\u0000" in value:
+            raise RequestOptionError(f"{name} must not contain a NUL character")
 
 
 KCBS_STREAM_ERROR = "k-CBS does not support streaming: set stream=false"

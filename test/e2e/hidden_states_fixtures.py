@@ -298,8 +298,9 @@ def expected_positions(prompt_len: int, output_len: int, mode: Any, scope: Optio
 def rows_of(fields: dict, fmt: Optional[str]) -> tuple[torch.Tensor, list[int]]:
     """Rows and positions from meta_info / an OpenAI choice / message, in the wire format."""
     assert not fields.get("hidden_states_error"), fields["hidden_states_error"]
-    assert "hidden_states" in fields, f"no hidden_states in {sorted(fields)}"
-    hs = fields["hidden_states"]
+    assert "hidden_states_rows" in fields, f"no hidden_states_rows in {sorted(fields)}"
+    assert "hidden_states" not in fields, "upstream's field next to the plugin's rows"
+    hs = fields["hidden_states_rows"]
     if fmt == "base64":
         assert isinstance(hs, dict) and set(hs) == {"dtype", "shape", "data", "positions"}, hs
         assert hs["dtype"] == "float32", hs["dtype"]

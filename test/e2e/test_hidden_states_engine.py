@@ -66,7 +66,7 @@ def _engine_main(out_path: str, model_path: str) -> None:
         print(f"[engine] {time.time() - t0:.0f}s {name}", flush=True)
         meta = out["meta_info"]
         records.append({"name": name, "kw": kw, "text": out["text"],
-                        **{k: meta.get(k) for k in ("input_ids", "output_ids", "hidden_states",
+                        **{k: meta.get(k) for k in ("input_ids", "output_ids", "hidden_states_rows",
                                                     "hidden_states_positions", "hidden_states_error")}})
 
     try:
@@ -135,7 +135,7 @@ def test_engine_rows_match_hf(engine_results, hf) -> None:
         kw = rec["kw"]
         fmt = kw.get("hidden_states_format")
         if fmt == "tensor":
-            assert isinstance(rec["hidden_states"], torch.Tensor), (rec["name"], type(rec["hidden_states"]))
+            assert isinstance(rec["hidden_states_rows"], torch.Tensor), (rec["name"], type(rec["hidden_states_rows"]))
         diffs[rec["name"]] = check_response(
             hf, rec, mode=kw["return_hidden_states"], fmt=fmt, scope=kw.get("hidden_states_scope"),
             last_n=kw.get("hidden_states_last_n"), final=bool(kw.get("return_final_hidden_state")),

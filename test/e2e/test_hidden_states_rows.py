@@ -159,8 +159,8 @@ def test_list_and_base64_are_identical_and_payload_sizes(hs_noradix_server, hf) 
     assert torch.equal(rows_l, rows_b), (rows_l - rows_b).abs().max()
     check_response(hf, outs["base64"]["meta_info"], mode=True, fmt="base64", scope="response", final=True,
                    what="100-token base64")
-    field_l = len(json.dumps(outs["list"]["meta_info"]["hidden_states"]))
-    field_b = len(json.dumps(outs["base64"]["meta_info"]["hidden_states"]))
+    field_l = len(json.dumps(outs["list"]["meta_info"]["hidden_states_rows"]))
+    field_b = len(json.dumps(outs["base64"]["meta_info"]["hidden_states_rows"]))
     report("payload sizes for 100 rows x 576 float32 (scope response + final row)",
            list_field_bytes=field_l, base64_field_bytes=field_b,
            list_http_body_bytes=len(bodies["list"]), base64_http_body_bytes=len(bodies["base64"]),

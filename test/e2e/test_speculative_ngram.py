@@ -77,7 +77,7 @@ def test_rows_follow_the_committed_tokens(ngram_server: Server, toploc_server: S
         tokens += meta["completion_tokens"]
         steps += meta["spec_verify_ct"]
     for out in plain_outs:
-        assert "hidden_states" not in out["meta_info"]
+        assert not {"hidden_states", "hidden_states_rows"} & set(out["meta_info"])
     # rows, the final row's extra step and speculative runs together: every fingerprint verifies
     assert_fingerprints_verify(toploc_server.url, [o["meta_info"] for o in outs + plain_outs])
     report("ngram_rows", requests=len(jobs), tokens=tokens, verify_steps=steps,

@@ -112,4 +112,4 @@ def test_streamed_ids_are_those_whose_rows_are_delivered(server, runs, scope, la
     end = len(PROMPT) + len(streamed)
     expected = list(range(end)) if scope is HiddenStatesScope.ALL else list(range(end - last_n, end))
     assert out["hidden_states_positions"] == expected
-    assert torch.equal(out["hidden_states"], _rows_at(expected))
+    assert torch.equal(out["hidden_states_rows"], _rows_at(expected))

@@ -90,7 +90,7 @@ def test_collector_falls_back_to_memory_when_shared_memory_fails(shm, monkeypatc
     assert collector.segments is None
     out = deliver(collector.finish(output_len=3)[PAYLOAD_KEY])
     assert out["hidden_states_positions"] == list(range(6))
-    assert torch.equal(out["hidden_states"][:4], rows[:4]) and torch.equal(out["hidden_states"][4:], rows[4:])
+    assert torch.equal(out["hidden_states_rows"][:4], rows[:4]) and torch.equal(out["hidden_states_rows"][4:], rows[4:])
     assert os.listdir(shm) == []
 
 
@@ -125,10 +125,10 @@ def test_decode_steps_for_mixed_collectors(shm, monkeypatch, dtype):
     out_c = deliver(c.finish(output_len=steps + 1)[PAYLOAD_KEY])
     positions = list(range(prompt_len + steps))
     assert out_a["hidden_states_positions"] == positions == out_c["hidden_states_positions"]
-    assert torch.equal(out_a["hidden_states"], torch.cat([prompts[id(a)], step_rows[:, 0]]))
-    assert torch.equal(out_c["hidden_states"], torch.cat([prompts[id(c)], step_rows[:, 2]]))
+    assert torch.equal(out_a["hidden_states_rows"], torch.cat([prompts[id(a)], step_rows[:, 0]]))
+    assert torch.equal(out_c["hidden_states_rows"], torch.cat([prompts[id(c)], step_rows[:, 2]]))
     assert out_b["hidden_states_positions"] == [prompt_len + steps - 1]
-    assert torch.equal(out_b["hidden_states"], step_rows[-1, 1:2])
+    assert torch.equal(out_b["hidden_states_rows"], step_rows[-1, 1:2])
     assert os.listdir(shm) == []
 
 
@@ -169,7 +169,7 @@ def test_speculative_steps_commit_runs_of_rows(shm, n_steps):
     outs = [deliver(c.finish(output_len=output_len)[PAYLOAD_KEY]) for c in collectors]
     for out, expect in zip(outs, (expect_all, expect_all[-1:], expect_all[-5:])):
         assert out["hidden_states_positions"] == expect
-        assert torch.equal(out["hidden_states"], torch.stack([truth[p] for p in expect]))
+        assert torch.equal(out["hidden_states_rows"], torch.stack([truth[p] for p in expect]))
     assert os.listdir(shm) == []
 
 
@@ -208,7 +208,7 @@ def test_encoded_deliveries_do_not_share_the_reused_buffer(shm):
         results.append((fmt, deliver(collector.finish(output_len=0)[PAYLOAD_KEY])))
         expected.append(rows)
     for (fmt, out), rows in zip(results, expected):
-        got = decode_rows(out["hidden_states"])[0] if fmt is HiddenStatesFormat.BASE64 else torch.tensor(out["hidden_states"])
+        got = decode_rows(out["hidden_states_rows"])[0] if fmt is HiddenStatesFormat.BASE64 else torch.tensor(out["hidden_states_rows"])
         assert torch.equal(got, rows)
 
 

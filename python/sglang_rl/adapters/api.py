@@ -33,6 +33,7 @@ from sglang_rl.request_options import (
     RequestOptionError,
     pop_fields,
     validate_fields,
+    validate_grammar,
     validate_kcbs,
 )
 from sglang_rl.verification_report import finalize_report
@@ -42,10 +43,11 @@ _IMPLICIT_PROMPT_IDS = "_sglang_rl_implicit_prompt_ids"
 _ITEMS = "_sglang_rl_items"
 _RESULTS = "_sglang_rl_results"
 
-# Response fields this plugin adds to meta_info (and to OpenAI choices).
+# Response fields this plugin adds to meta_info (and to OpenAI choices), each named apart from
+# upstream's keys: an output whose request set no plugin field carries none of them.
 RESPONSE_FIELDS = (
     FINGERPRINTS_FIELD, RESULT_FIELD, "input_ids", "output_ids",
-    hs_adapter.ROWS_FIELD, hs_adapter.POSITIONS_FIELD, CANDIDATES_FIELD,
+    hs_adapter.ROWS_FIELD, hs_adapter.POSITIONS_FIELD, hs_adapter.ERROR_FIELD, CANDIDATES_FIELD,
 )
 
 
@@ -199,6 +201,7 @@ def prepare_request(obj: Any, server_args: Any, in_process: bool = False) -> Non
 def _prepare_item(obj: Any, item: Optional[int], params: dict, fields: dict, server_args: Any,
                   in_process: bool) -> _ItemPlan:
     """Validate one item's fields and write its custom_params entry into its sampling_params."""
+    validate_grammar(params)
     plan = _ItemPlan(
         entry={},
         return_logprob=_per_item(obj.return_logprob, item),

@@ -37,15 +37,18 @@ from sglang_rl.hidden_states import (
 )
 from sglang_rl.hidden_states.packing import host_view
 from sglang_rl.hidden_states.row_segments import RowSegments, discard_handle, read_rows, shm_dir
+from sglang_rl.request_options import (
+    HIDDEN_STATES_ERROR_FIELD as ERROR_FIELD,
+    HIDDEN_STATES_POSITIONS_FIELD as POSITIONS_FIELD,
+    HIDDEN_STATES_ROWS_FIELD as ROWS_FIELD,
+)
 
 logger = logging.getLogger(__name__)
 
 # custom_params["sglang_rl"] keys
 TRIM_SLACK = 16  # in-memory rows kept beyond the wanted ones before a trim (see RowCollector._trim)
 KEYS = ("hs_mode", "hs_format", "hs_scope", "hs_last_n", "hs_final")
-ROWS_FIELD = "hidden_states"
 PAYLOAD_KEY = "hidden_states_payload"
-POSITIONS_FIELD = "hidden_states_positions"
 
 
 def options_to_entry(opts: HiddenStatesOptions) -> dict:
@@ -274,7 +277,7 @@ def deliver(payload: dict) -> dict:
     index = {p: i for i, p in enumerate(positions)}
     missing = [p for p in wanted if p not in index]
     if missing:
-        return {"hidden_states_error": f"rows for positions {missing[:8]} were not captured"}
+        return {ERROR_FIELD: f"rows for positions {missing[:8]} were not captured"}
     pick = [index[p] for p in wanted]
     if not pick:
         rows = torch.empty(0, rows.shape[-1] if rows is not None else 0)

@@ -20,6 +20,8 @@ import torch
 
 from sglang_rl.drafter.cotrain import CotrainConfig, CotrainLoop, RolloutSample
 from sglang_rl.hidden_states import decode_rows
+from sglang_rl.request_options import HIDDEN_STATES_POSITIONS_FIELD as POSITIONS_FIELD
+from sglang_rl.request_options import HIDDEN_STATES_ROWS_FIELD as ROWS_FIELD
 
 __all__ = ["CoTrainer", "engine_push", "http_push", "sample_from_output"]
 
@@ -37,15 +39,15 @@ def sample_from_output(output: Mapping[str, Any], policy_version: int = 0) -> Op
     """A training sample from one output with rows, input_ids and output_ids (None when it has
     fewer than two consecutive rows ending at the last sampled token's input)."""
     fields = _fields(output)
-    for name in ("input_ids", "output_ids", "hidden_states"):
+    for name in ("input_ids", "output_ids", ROWS_FIELD):
         if name not in fields:
             raise ValueError(f"the output has no {name}: request it (return_input_ids, return_output_ids, "
                              "return_hidden_states with hidden_states_format base64 or tensor)")
-    rows = fields["hidden_states"]
+    rows = fields[ROWS_FIELD]
     if isinstance(rows, Mapping):
         rows, positions = decode_rows(rows)
     else:
-        positions = list(fields.get("hidden_states_positions") or [])
+        positions = list(fields.get(POSITIONS_FIELD) or [])
         rows = torch.as_tensor(rows)
     ids = list(fields["input_ids"]) + list(fields["output_ids"])
     end = len(ids) - 1

@@ -10,6 +10,10 @@ TorchNativeAttnBackend.forward_extend so verify batches run through SDPA with
 EAGLE also needs draft-model attention backends, which sglang's DraftBackendFactory does not
 build for torch_native: the factory's two constructors are wrapped to return the ones in
 draft_attention.py when the draft's backend resolves to torch_native.
+
+Grammar-constrained decoding with the default xgrammar backend allocates its token bitmask with
+pin_memory=True and applies it with GPU-only kernels (raising on CPU): the allocation is made
+pageable and CPU logits are masked by xgrammar's own CPU kernel, never leaving a row empty.
 """
 
 import torch
@@ -19,6 +23,7 @@ _TARGET = (
     "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_extend"
 )
 _DRAFT_FACTORY = "sglang.srt.speculative.draft_utils.DraftBackendFactory"
+_XGRAMMAR = "sglang.srt.constrained.xgrammar_backend"
 
 
 def register() -> None:
@@ -31,6 +36,39 @@ def register() -> None:
     HookRegistry.register(
         f"{_DRAFT_FACTORY}.create_draft_extend_backend", _draft_extend_backend, HookType.AROUND
     )
+    # pinned memory needs an accelerator and sglang's xgrammar mask kernels are GPU-only
+    HookRegistry.register(f"{_XGRAMMAR}._allocate_token_bitmask", _pageable_bitmask, HookType.REPLACE)
+    HookRegistry.register(
+        f"{_XGRAMMAR}.XGrammarGrammarBackend.apply_vocab_mask", _apply_bitmask, HookType.AROUND
+    )
+    HookRegistry.register(
+        f"{_XGRAMMAR}.XGrammarGrammar.apply_vocab_mask", _apply_grammar_bitmask, HookType.AROUND
+    )
+
+
+def _pageable_bitmask(vocab_size: int, batch_size: int) -> torch.Tensor:
+    import xgrammar
+
+    shape = xgrammar.get_bitmask_shape(batch_size, vocab_size)
+    return torch.full(shape, -1, dtype=xgrammar.bitmask_dtype)  # -1: every token allowed
+
+
+def _apply_bitmask(original, logits, vocab_mask):
+    if logits.device.type != "cpu":
+        return original(logits, vocab_mask)
+    import xgrammar
+
+    xgrammar.apply_token_bitmask_inplace(logits, vocab_mask.to(logits.device))
+    # a row with no token left (grammar and min_new_tokens, say) makes the torch sampler's
+    # multinomial raise on NaN and kill the scheduler: leave token 0, which the grammar then
+    # rejects, aborting only that request (what greedy decoding's argmax does anyway)
+    dead = torch.isneginf(logits).all(dim=-1)
+    if dead.any():
+        logits[dead, 0] = 0.0
+
+
+def _apply_grammar_bitmask(original, self, logits, vocab_mask):
+    return _apply_bitmask(lambda *a: original(self, *a), logits, vocab_mask)
 
 
 def _draft_backend_name(factory, field: str) -> str:
