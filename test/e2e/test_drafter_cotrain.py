@@ -20,6 +20,7 @@ from typing import Iterator
 
 import pytest
 import requests
+import torch
 
 from e2e_servers import Server, e2e_env, start_server
 from toploc_helpers import assert_fingerprints_verify
@@ -148,6 +149,61 @@ def test_target_update_starts_a_new_policy_version(cotrain_server: Server, model
                          timeout=600)
     assert resp.status_code == 200 and resp.json()["success"], resp.text
     assert stats(cotrain_server.url)["policy_version"] == before + 1
+
+
+def _scaled_embedding_copy(model_path: str, out: Path) -> Path:
+    """The target with its (tied) embedding scaled by 1.01: an RL step that changed it."""
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir()
+    for f in Path(model_path).iterdir():
+        if f.name != "model.safetensors":
+            (out / f.name).symlink_to(f)
+    tensors = load_file(str(Path(model_path) / "model.safetensors"))
+    tensors["model.embed_tokens.weight"] = (tensors["model.embed_tokens.weight"].float() * 1.01).to(torch.bfloat16)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def _post_ok(url: str, path: str, body: dict) -> dict:
+    resp = requests.post(url + path, json=body, timeout=600)
+    assert resp.status_code == 200, (path, resp.status_code, resp.text[:1000])
+    return resp.json() if resp.text else {}
+
+
+def _push(url: str, model_path: str) -> None:
+    assert _post_ok(url, "/update_weights_from_disk", {"model_path": str(model_path)})["success"]
+
+
+def test_one_rl_step_is_one_policy_version(cotrain_server: Server, model_path: str, tmp_path: Path) -> None:
+    """verl pushes an RL step as several target updates back to back (a bucket each): one policy
+    version. Co-training gets the target's embedding and head once rollouts run on an update
+    that changed them, and only then."""
+    url, prompts = cotrain_server.url, gsm8k()
+    chat(url, prompts[100])
+    before = stats(url)
+    # verl's colocated step: release after the rollouts, resume the weights, push, resume the cache
+    _post_ok(url, "/release_memory_occupation", {"tags": ["kv_cache", "weights"]})
+    _post_ok(url, "/resume_memory_occupation", {"tags": ["weights"]})
+    for _ in range(3):
+        _push(url, model_path)
+    _post_ok(url, "/resume_memory_occupation", {"tags": ["kv_cache"]})
+    assert stats(url)["policy_version"] == before["policy_version"] + 1
+    chat(url, prompts[101])
+    unchanged = stats(url)
+    assert unchanged["target_head_updates"] == before["target_head_updates"], unchanged
+    changed = _scaled_embedding_copy(model_path, tmp_path / "rl-step")
+    try:
+        _push(url, changed)
+        _push(url, changed)
+        chat(url, prompts[102])
+        after = stats(url)
+        assert after["policy_version"] == before["policy_version"] + 2, after
+        assert after["target_head_updates"] == before["target_head_updates"] + 1, after
+        assert after["trainer_alive"] and not after["errors"], after
+    finally:
+        _push(url, model_path)  # the original target for the tests after this one
+        chat(url, prompts[103])
 
 
 def test_client_side_cotrainer_pushes_its_rounds(cotrain_server: Server, model_path: str, tmp_path: Path) -> None:

@@ -3,8 +3,10 @@ option checks, and the process entry point with real multiprocessing queues."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
@@ -102,12 +104,7 @@ def test_bad_options_are_refused(folders, field: str, value, reason: str) -> Non
 def test_process_entry_point_trains_round_after_round(folders) -> None:
     """The real process protocol through spawn queues: ready, then a round per 4 samples,
     several times in a row (a queue that stops delivering after the first round fails here)."""
-    ctx = multiprocessing.get_context("spawn")
-    inbox, outbox = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=cotrain_main, args=(config(folders, threads=1), inbox, outbox), daemon=True)
-    proc.start()
-    try:
-        assert outbox.get(timeout=120)[0] == "ready"
+    with cotrain_process(folders) as (inbox, outbox, proc):
         for r in range(1, 4):
             for i in range(4):
                 inbox.put(("sample", sample_to_wire(sample(seed=10 * r + i, version=r))))
@@ -117,6 +114,49 @@ def test_process_entry_point_trains_round_after_round(folders) -> None:
         inbox.put(("stop",))
         proc.join(timeout=30)
         assert proc.exitcode == 0
+
+
+@contextlib.contextmanager
+def cotrain_process(folders) -> Iterator[tuple]:
+    """The co-training process entry point behind real spawn queues, once it said ready."""
+    ctx = multiprocessing.get_context("spawn")
+    inbox, outbox = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=cotrain_main, args=(config(folders, threads=1), inbox, outbox), daemon=True)
+    proc.start()
+    try:
+        assert outbox.get(timeout=120)[0] == "ready"
+        yield inbox, outbox, proc
     finally:
         if proc.is_alive():
             proc.kill()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_target_head_follows_the_target(tmp_path: Path, tied: bool) -> None:
+    """After an RL step changes the target's embedding and LM head, the drafter trains against
+    the new ones: same logits as a drafter loaded from the updated target folder."""
+    target = write_target(tmp_path / "target", tied=tied)
+    save_drafter(init_drafter(target, seed=0), tmp_path / "draft")
+    loop = CotrainLoop(config((str(tmp_path / "draft"), str(target))))
+    model = loop.trainer.model
+    gen = torch.Generator().manual_seed(7)
+    embed = torch.randn(V + 16, H, generator=gen)  # sglang pads its embedding past the vocabulary
+    head = None if tied else torch.randn(V, H, generator=gen)
+    hidden = torch.randn(3, H, generator=gen)
+    before = model.logits(hidden).clone()
+    loop.set_target_head(embed, head)
+    assert torch.equal(model.embed_tokens, embed[:V].to(model.embed_tokens))
+    expected = (embed[:V] if tied else head).to(model.head_weight)
+    assert torch.equal(model.head_weight, expected)
+    assert not torch.allclose(model.logits(hidden), before)
+    assert loop.head_updates == 1
+
+
+def test_process_entry_point_takes_a_new_target_head(folders) -> None:
+    """The target head message goes through the real process protocol and reaches the round."""
+    with cotrain_process(folders) as (inbox, outbox, _):
+        inbox.put(("target_head", to_wire(torch.randn(V, H)), None))
+        for i in range(4):
+            inbox.put(("sample", sample_to_wire(sample(seed=i, version=1))))
+        kind, _, metrics = outbox.get(timeout=120)
+        assert kind == "round" and metrics["head_updates"] == 1, metrics

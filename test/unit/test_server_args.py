@@ -19,3 +19,18 @@ def test_toploc_refuses_speculative_algorithms_it_cannot_follow(algorithm: str) 
 def test_toploc_topk_range(topk: int) -> None:
     with pytest.raises(ValueError, match="between 1 and 4096"):
         RLServerArgs(model_path="unused", toploc_verification=True, toploc_verification_topk=topk)
+
+
+@pytest.mark.parametrize("memory_saver", [True, False])
+def test_cotraining_with_memory_release_backs_up_the_draft(tmp_path, memory_saver: bool) -> None:
+    """With --enable-memory-saver (verl's colocated mode releases the weights between rollouts),
+    the co-trained draft is kept on the host across a release: nobody pushes it back."""
+    from sglang_rl.drafter import init_drafter, save_drafter
+    from test_drafter_checkpoint import write_target
+
+    target = write_target(tmp_path / "target")
+    save_drafter(init_drafter(target, seed=0), tmp_path / "draft")
+    args = RLServerArgs(model_path=str(target), speculative_algorithm="EAGLE", drafter_cotrain=True,
+                        speculative_draft_model_path=str(tmp_path / "draft"), device="cpu",
+                        enable_memory_saver=memory_saver)
+    assert args.enable_draft_weights_cpu_backup is memory_saver

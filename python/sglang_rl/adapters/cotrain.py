@@ -27,7 +27,14 @@ import torch
 
 from sglang.srt.managers.io_struct import GetWeightsByNameReqInput, GetWeightsByNameReqOutput
 
-from sglang_rl.drafter.cotrain import CotrainConfig, RolloutSample, cotrain_main, from_wire, sample_to_wire
+from sglang_rl.drafter.cotrain import (
+    CotrainConfig,
+    RolloutSample,
+    cotrain_main,
+    from_wire,
+    sample_to_wire,
+    to_wire,
+)
 from sglang_rl.hidden_states import HiddenStatesFormat, HiddenStatesMode, HiddenStatesOptions, HiddenStatesScope
 
 logger = logging.getLogger(__name__)
@@ -64,6 +71,11 @@ def _server_device(server_args: Any) -> str:
     if device == "cuda":
         return f"cuda:{server_args.base_gpu_id}"
     return device
+
+
+def _checksum(embed: torch.Tensor, head: torch.Tensor) -> tuple[float, float]:
+    """A cheap fingerprint of the target's embedding and head (any update changes it)."""
+    return float(embed.float().sum()), float(head.float().abs().sum())
 
 
 class CotrainRows:
@@ -130,6 +142,12 @@ class CotrainRuntime:
                                    name="sglang-rl-drafter-cotrain", daemon=True)
         self.process.start()
         self.policy_version = 0
+        # a run of target updates with no rollout between them is one RL step; the first run
+        # (verl's initial push) starts version 1
+        self.served_since_update = True
+        self.head_pending = False
+        self.head_checksum: Optional[tuple[float, float]] = None
+        self.target_head_updates = 0
         self.samples = 0
         self.dropped = 0
         self.rows_sent = 0
@@ -156,6 +174,7 @@ class CotrainRuntime:
         if getattr(req, COUNTED_ATTR, False) or isinstance(req.finished_reason, FINISH_ABORT):
             return
         setattr(req, COUNTED_ATTR, True)
+        self.served_since_update = True
         steps = int(getattr(req, "spec_verify_ct", 0) or 0)
         tokens = len(req.output_ids_through_stop)
         rows: Optional[CotrainRows] = getattr(req, ATTR, None)
@@ -175,10 +194,39 @@ class CotrainRuntime:
         self.samples += 1
 
     def policy_updated(self) -> None:
-        self.policy_version += 1
+        """A target weight update. verl pushes one RL step as several updates (a bucket each),
+        back to back: updates with no rollout finished between them are one policy version."""
+        if self.served_since_update:
+            self.policy_version += 1
+            self.served_since_update = False
+        self.head_pending = True
+
+    def send_target_head(self, scheduler: Any) -> None:
+        """Once rollouts run on the updated target, give the trainer the target's embedding and
+        LM head if the update changed them (training reads them from disk only at start)."""
+        from sglang_rl.adapters.drafter_weights import find_eagle_draft, same_tensor
+
+        eagle, _ = find_eagle_draft(getattr(scheduler, "draft_worker", None))
+        if eagle is None:
+            self.head_pending = False
+            return
+        embed, head = eagle.target_worker.model_runner.model.get_embed_and_head()
+        checksum = _checksum(embed, head)
+        if checksum == self.head_checksum or not self.head_pending:
+            self.head_checksum, self.head_pending = checksum, False
+            return
+        message = ("target_head", to_wire(embed), None if same_tensor(embed, head) else to_wire(head))
+        try:
+            self.inbox.put(message, timeout=1.0)
+        except queue.Full:
+            return  # the trainer is behind: the next poll tries again
+        self.head_checksum, self.head_pending = checksum, False
+        self.target_head_updates += 1
 
     def poll(self, scheduler: Any) -> None:
         """Apply finished rounds (between batches, where sglang applies its own weight updates)."""
+        if self.head_checksum is None or (self.head_pending and self.served_since_update):
+            self.send_target_head(scheduler)
         while True:
             try:
                 message = self.outbox.get_nowait()
@@ -219,6 +267,7 @@ class CotrainRuntime:
             "rows_sent": self.rows_sent,
             "trainer_received": self.rounds[-1]["received"] if self.rounds else 0,
             "policy_version": self.policy_version,
+            "target_head_updates": self.target_head_updates,
             "trainer_ready": self.ready,
             "trainer_alive": self.process.is_alive(),
             "loss": [r["loss"] for r in self.rounds],
@@ -259,7 +308,7 @@ class _Metrics:
         names = {
             "rounds": "Drafter co-training rounds applied to the draft model",
             "samples": "Rollout samples sent to drafter co-training",
-            "policy_version": "Target weight updates seen by drafter co-training",
+            "policy_version": "Policy versions (RL steps: runs of target weight updates) seen by drafter co-training",
             "loss": "Drafter training loss of the last round",
             "acceptance_length": "Tokens per verify step under the current co-trained draft",
             "held_out_acceptance_length": "Tokens per verify step of opted-out (held-out) requests",

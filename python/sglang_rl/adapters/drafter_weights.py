@@ -29,7 +29,6 @@ embedding and head.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import time
@@ -116,7 +115,7 @@ def _checkpoint_name(param_name: str) -> str:
     return param_name.removeprefix("model.")
 
 
-def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.shape == b.shape
 
 
@@ -152,7 +151,7 @@ def draft_spec(eagle: Any) -> tuple[DraftWeightSpec, dict[str, torch.Tensor]]:
     for param_name, param in model.named_parameters(remove_duplicate=False):
         name = _checkpoint_name(param_name)
         params[name] = param
-        if _same_tensor(param, embed) or _same_tensor(param, head):
+        if same_tensor(param, embed) or same_tensor(param, head):
             shared[name] = "the draft uses the target's embedding and LM head, which a target update changes"
         elif "lm_head" in name.split("."):
             shared[name] = "sglang's EAGLE draft loader never loads an lm_head"
@@ -371,7 +370,7 @@ def resync_shared_tensors(eagle: Any) -> None:
     hot = getattr(eagle, "hot_token_id", None)
     with torch.no_grad():
         for dst, src in ((draft_embed, embed), (draft_head, head if hot is None else head[hot])):
-            if _same_tensor(dst, src):
+            if same_tensor(dst, src):
                 continue
             if dst.shape != src.shape:
                 logger.warning("draft tensor %s is not a copy of the target's %s; left as it is",
@@ -400,7 +399,13 @@ def target_update_from_disk_around(original: Callable, manager: Any, recv_req: A
     eagle, _ = find_eagle_draft(manager.draft_worker)
     if eagle is None:
         return original(manager, recv_req)
-    result = original(dataclasses.replace(manager, draft_worker=None), recv_req)
+    # the manager itself, its draft hidden for the call: a copy (dataclasses.replace) fails once
+    # a memory resume has deleted one of its fields (stashed_model_static_state)
+    draft_worker, manager.draft_worker = manager.draft_worker, None
+    try:
+        result = original(manager, recv_req)
+    finally:
+        manager.draft_worker = draft_worker
     if result.success:
         resync_shared_tensors(eagle)
     return result

@@ -118,6 +118,17 @@ class CotrainLoop:
         self.fresh = 0
         self.received = 0
         self.rounds = 0
+        self.head_updates = 0
+
+    def set_target_head(self, embed: torch.Tensor, head: Optional[torch.Tensor] = None) -> None:
+        """Follow the target's embedding and LM head after an RL step changed them (``head`` None:
+        tied to the embedding). Rows past the vocabulary (sglang pads its embedding) are cut."""
+        model = self.trainer.model
+        vocab = model.embed_tokens.shape[0]
+        model.embed_tokens.copy_(embed[:vocab].to(model.embed_tokens))
+        if model.lm_head is not None:
+            model.lm_head.copy_((embed if head is None else head)[:vocab].to(model.lm_head))
+        self.head_updates += 1
 
     def add(self, sample: RolloutSample) -> None:
         """Window and store one sample (a sample with fewer than two rows is dropped)."""
@@ -169,6 +180,7 @@ class CotrainLoop:
             "buffer_samples": len(self.buffer),
             "buffer_bytes": self.buffer.nbytes,
             "received": self.received,
+            "head_updates": self.head_updates,
         }
         weights = sglang_weights(self.trainer.model, dtype=dtype_from_name(self.config.serve_dtype))
         return weights, metrics
@@ -184,7 +196,8 @@ def _drain(inbox: Any, first: Any) -> list:
 
 
 def cotrain_main(config: CotrainConfig, inbox: Any, outbox: Any) -> None:
-    """Process entry point. Inbox messages: ``("sample", sample_to_wire(...))``, ``("stop",)``.
+    """Process entry point. Inbox messages: ``("sample", sample_to_wire(...))``,
+    ``("target_head", embed_wire, head_wire or None)``, ``("stop",)``.
     Outbox messages: ``("ready", {})``, ``("round", [(name, to_wire(tensor))], metrics)``,
     ``("error", text)``."""
     if config.threads > 0:
@@ -199,6 +212,9 @@ def cotrain_main(config: CotrainConfig, inbox: Any, outbox: Any) -> None:
         for message in _drain(inbox, inbox.get()):
             if message[0] == "stop":
                 return
+            if message[0] == "target_head":
+                loop.set_target_head(from_wire(message[1]),
+                                     None if message[2] is None else from_wire(message[2]))
             if message[0] == "sample":
                 try:
                     loop.add(sample_from_wire(message[1]))
