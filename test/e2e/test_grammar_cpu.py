@@ -127,3 +127,19 @@ def test_regex_with_a_space(plain_server) -> None:
     ByteLevel, which xgrammar recognises)."""
     out = _generate(plain_server.url, {"max_new_tokens": 16, "regex": r"(yes|no), [0-9]{3}"})
     assert re.fullmatch(r"(yes|no), [0-9]{3}", out["text"]), out
+
+
+def test_constrained_outputs_carry_fingerprints_that_verify(toploc_server) -> None:
+    """Grammar and TOPLOC together: a constrained rollout is fingerprinted like any other, and its
+    fingerprint verifies (the rows do not depend on which token the mask let through)."""
+    from toploc_helpers import assert_fingerprints_verify
+
+    metas = []
+    for text, params in (("Is the sky blue? Answer:", {"regex": REGEX, "max_new_tokens": 16}),
+                         ("Name:", {"json_schema": json.dumps(SCHEMA), "max_new_tokens": 40})):
+        resp = post(toploc_server.url, "/generate", {
+            "text": text, "sampling_params": {"temperature": 0, **params},
+            "return_input_ids": True, "return_output_ids": True})
+        assert resp.status_code == 200, resp.text[:500]
+        metas.append(resp.json()["meta_info"])
+    assert_fingerprints_verify(toploc_server.url, metas)
