@@ -2,8 +2,9 @@
 disabled (the oracle) and to one with it loaded, and the two answers compared after removing what
 differs by nature (ids, timestamps, latencies) and the fields the plugin was asked for.
 
-A case is `Case(method, path, body, plugin_fields)`: `body` goes to the plugin server as it is and
-to the oracle without `plugin_fields` (its top level and its `sampling_params`). Streams are
+A case is `Case(name, path, body, plugin_fields, replaced)`: `body` goes to the plugin server as
+it is and to the oracle without `plugin_fields` (its top level and its `sampling_params`), and
+`replaced` names the oracle's fields that those plugin fields replace. Streams are
 compared as what a client assembles from them: the text of each choice, its log-probs, and every
 chunk that carries anything else (finish reason, hidden states, usage), in order; where sglang
 splits the text into chunks depends on timing, what the client assembles does not.
@@ -12,12 +13,13 @@ splits the text into chunks depends on timing, what the client assembles does no
 from __future__ import annotations
 
 import copy
-import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import requests
+
+from toploc_helpers import sse_events
 
 TIMEOUT = 300
 
@@ -69,13 +71,7 @@ def call(url: str, case: Case, body: Optional[dict]) -> Any:
         resp = requests.post(url + case.path, json=body, timeout=TIMEOUT, stream=case.stream)
     if resp.status_code != 200:
         return {"status": resp.status_code, "body": resp.text[:500]}
-    if not case.stream:
-        return resp.json()
-    events = []
-    for line in resp.iter_lines():
-        if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
-            events.append(json.loads(line[len(b"data: "):]))
-    return events
+    return sse_events(resp) if case.stream else resp.json()
 
 
 def strip(value: Any, drop: frozenset) -> Any:
