@@ -1,12 +1,13 @@
 """sglang-rl inside verl 0.9.1's own rollout server, turned on by configuration alone.
 
-verl's `SGLangHttpServer` runs as a Ray actor, builds sglang's `ServerArgs` from
-`rollout.engine_kwargs.sglang` and launches sglang the way verl does. Here it is started exactly
-so, in a local Ray cluster whose runtime env carries the one setting a verl user adds
-(`ray_kwargs.ray_init.runtime_env.worker_process_setup_hook`), with the plugin's flags in
-`engine_kwargs.sglang`: TOPLOC fingerprints and drafter co-training on EAGLE. Rollouts go through
-verl's own `generate`; the same server's HTTP API (which verl serves) gives their fingerprints,
-verified on another server, and the co-training stats. Without the setting, verl refuses the
+verl's rollout registry gives the replica class for `rollout.name=sglang`; its servers run as Ray
+actors, build sglang's `ServerArgs` from `rollout.engine_kwargs.sglang` and launch sglang the way
+verl does. Here they are started exactly so, in a local Ray cluster whose runtime env carries the
+one setting a verl user adds (`ray_kwargs.ray_init.runtime_env.worker_process_setup_hook`), with
+the plugin's flags in `engine_kwargs.sglang`: TOPLOC fingerprints and drafter co-training on EAGLE.
+Rollouts go through verl's own `generate`; what it returns (the `extra_fields` verl copies into
+its batch) carries each rollout's fingerprint, verified on another server, and its speculative
+counters; the co-training stats come from the server actor. Without the setting, verl refuses the
 flags. verl is installed without its pins (they need transformers < 5.11; sglang 0.5.17 pins
 5.12.1); the CPU stand-ins make its GPU defaults run on the CPU (`CPU_ARGS`).
 """
@@ -20,6 +21,7 @@ import ray
 import requests
 
 from test_drafter_cotrain import gsm8k, init_drafter
+from sglang_rl.adapters.toploc import FINGERPRINTS_FIELD
 from toploc_helpers import assert_fingerprints_verify
 
 SETUP_HOOK = "sglang_rl.integrations.verl.activate.load_plugins_first"
@@ -37,16 +39,22 @@ ROLLOUTS = 4
 
 
 def _verl_server(model_path: str, engine_kwargs: dict):
-    """verl's SGLangHttpServer as verl's SGLangReplica creates it: a Ray actor, one replica."""
+    """The server of the replica class verl's registry gives for `sglang`, as that replica
+    creates it: a Ray actor, one replica."""
+    from sglang_rl.integrations.verl.activate import load_plugins_first
+
+    load_plugins_first()  # what the hook does in every Ray worker; here the driver asks the registry
     from verl.workers.config.model import HFModelConfig
     from verl.workers.config.rollout import RolloutConfig
-    from verl.workers.rollout.replica import RolloutMode
-    from verl.workers.rollout.sglang_rollout.async_sglang_server import SGLangHttpServer
+    from verl.workers.rollout.replica import RolloutMode, get_rollout_replica_class
 
     config = RolloutConfig(name="sglang", tensor_model_parallel_size=1, dtype="float32", load_format="auto",
                            engine_kwargs={"sglang": {**CPU_ARGS, **engine_kwargs}})
-    return ray.remote(SGLangHttpServer).remote(
-        config=config, model_config=HFModelConfig(path=model_path), rollout_mode=RolloutMode.STANDALONE,
+    model_config = HFModelConfig(path=model_path)
+    replica = get_rollout_replica_class("sglang")(replica_rank=0, config=config, model_config=model_config)
+    assert type(replica).__name__ == "SGLangRLReplica", type(replica)
+    return replica.server_class.remote(
+        config=config, model_config=model_config, rollout_mode=RolloutMode.STANDALONE,
         workers=[], replica_rank=0, node_rank=0, nnodes=1, cuda_visible_devices="", base_gpu_id=0)
 
 
@@ -82,20 +90,25 @@ def test_verl_rollouts_are_fingerprinted_and_cotrain_the_drafter(verl_server, mo
                                            request_id=f"verl-{i}"), timeout=600)
             for i, ids in enumerate(prompts)]
     assert all(len(o.token_ids) > 1 and o.stop_reason in ("stop", "length") for o in outs), outs
-    stats = requests.get(url + "/drafter_cotrain_stats", timeout=120).json()
+    # what verl copies into its batch: each rollout's fingerprint, which verifies on another server
+    assert_fingerprints_verify(toploc_server.url, [
+        {"input_ids": ids, "output_ids": list(o.token_ids), FINGERPRINTS_FIELD: o.extra_fields[FINGERPRINTS_FIELD]}
+        for ids, o in zip(prompts, outs)])
+    for out in outs:  # verl's rollout-common speculative counters (rollout/spec_accept_length)
+        fields = out.extra_fields
+        assert 0 < fields["spec_num_verify_steps"] <= len(out.token_ids), fields
+        assert 0 <= fields["spec_num_accepted_tokens"] <= fields["spec_num_draft_tokens"], fields
+        assert fields["spec_num_verify_steps"] + fields["spec_num_accepted_tokens"] >= len(out.token_ids) - 1, fields
+    stats = ray.get(server.drafter_cotrain_stats.remote(), timeout=120)  # the actor's method
+    assert stats.keys() == requests.get(url + "/drafter_cotrain_stats", timeout=120).json().keys()
     assert stats["samples"] >= ROLLOUTS and stats["trainer_alive"] and not stats["errors"], stats
     assert stats["acceptance_verify_steps"][0] > 0, stats
-    # the same rollouts over the HTTP API verl serves: fingerprinted, and the same tokens
-    metas = []
-    for ids, out in zip(prompts, outs):
-        resp = requests.post(url + "/generate", json={
-            "input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 24},
-            "return_input_ids": True, "return_output_ids": True}, timeout=600)
-        assert resp.status_code == 200, resp.text[:1000]
-        meta = resp.json()["meta_info"]
-        assert meta["output_ids"] == list(out.token_ids)
-        metas.append(meta)
-    assert_fingerprints_verify(toploc_server.url, metas)
+    # the HTTP API verl serves answers the same tokens
+    resp = requests.post(url + "/generate", json={
+        "input_ids": prompts[0], "sampling_params": {"temperature": 0, "max_new_tokens": 24},
+        "return_output_ids": True}, timeout=600)
+    assert resp.status_code == 200, resp.text[:1000]
+    assert resp.json()["meta_info"]["output_ids"] == list(outs[0].token_ids)
 
 
 def test_without_the_setup_hook_verl_refuses_the_flags(model_path: str) -> None:

@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator, Callable, Optional
 from sglang.srt.managers.io_struct import GenerateReqInput
 
 from sglang_rl.adapters import hidden_states as hs_adapter
-from sglang_rl.adapters import speculative
+from sglang_rl.adapters import rollout_records, speculative
 from sglang_rl.adapters.kcbs import CANDIDATES_FIELD
 from sglang_rl.adapters import transport
 from sglang_rl.adapters.toploc import FINGERPRINTS_FIELD, RESULT_FIELD
@@ -409,6 +409,9 @@ def generate_request_around(original: Callable, manager: Any, obj: Any, request:
                 # together, encode in parallel, and the event loop keeps serving other requests
                 await asyncio.gather(*(asyncio.to_thread(_finish_meta, item, obj, position)
                                        for item, position in encoding))
+            for item in out if isinstance(out, list) else [out]:
+                if isinstance(item, dict):
+                    rollout_records.record(manager, item)
             yield out
 
     return run()

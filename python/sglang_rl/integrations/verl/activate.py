@@ -4,10 +4,16 @@ verl's rollout server (`SGLangHttpServer.launch_server`) builds sglang's `Server
 `actor_rollout_ref.rollout.engine_kwargs.sglang` before sglang loads its plugins (sglang does that
 inside `Engine._launch_subprocesses`), so the plugin's flags would be refused as unknown keyword
 arguments. verl hands `ray_kwargs.ray_init.runtime_env` to `ray.init`, and Ray runs the
-runtime env's `worker_process_setup_hook` in every worker process. With this module's hook, a
-process that imports verl's sglang server module loads sglang's plugins just before; sglang's
-hook registry then puts the plugin's `ServerArgs` wherever sglang's was imported, verl's module
-included. Nothing of verl is changed; other processes pay nothing.
+runtime env's `worker_process_setup_hook` in every worker process. With this module's hook:
+
+- a process that imports verl's sglang server module loads sglang's plugins just before; sglang's
+  hook registry then puts the plugin's `ServerArgs` wherever sglang's was imported, verl's module
+  included;
+- verl's rollout registry (`RolloutReplicaRegistry`, verl's own extension point for rollout
+  backends) gives `SGLangRLReplica` for the rollout name `sglang`: verl's replica and server,
+  whose outputs also carry each rollout's fingerprints and speculative counters (server.py).
+
+Nothing of verl is changed; a process that imports neither module pays nothing.
 
     +ray_kwargs.ray_init.runtime_env.worker_process_setup_hook=sglang_rl.integrations.verl.activate.load_plugins_first
 """
@@ -15,24 +21,18 @@ included. Nothing of verl is changed; other processes pay nothing.
 from __future__ import annotations
 
 import importlib.abc
+import importlib.machinery
 import logging
 import sys
-from typing import Any, Optional, Sequence
+from types import ModuleType
+from typing import Any, Callable, Optional, Sequence
 
 logger = logging.getLogger(__name__)
 
 # verl 0.9.1's module that imports sglang's ServerArgs and builds it from engine_kwargs
 VERL_SERVER_MODULE = "verl.workers.rollout.sglang_rollout.async_sglang_server"
-
-
-class _LoadPluginsFirst(importlib.abc.MetaPathFinder):
-    """Loads sglang's plugins once, when `VERL_SERVER_MODULE` is about to be imported."""
-
-    def find_spec(self, name: str, path: Optional[Sequence[str]], target: Any = None) -> None:
-        if name == VERL_SERVER_MODULE:
-            sys.meta_path.remove(self)  # once, and not for the imports that loading makes
-            load_sglang_plugins()
-        return None  # the import itself goes on as usual
+# verl 0.9.1's registry of rollout backends (RolloutReplicaRegistry)
+VERL_REPLICA_MODULE = "verl.workers.rollout.replica"
 
 
 def load_sglang_plugins() -> None:
@@ -46,10 +46,65 @@ def load_sglang_plugins() -> None:
         logger.exception("sglang-rl: loading sglang's plugins before verl's sglang server failed")
 
 
+def register_replica(replica_module: ModuleType) -> None:
+    """Make verl's rollout name `sglang` give `SGLangRLReplica` (verl's own loader still runs
+    first: it prepares the process for sglang)."""
+    registry = replica_module.RolloutReplicaRegistry
+    verl_loader = registry._registry["sglang"]
+
+    def load_sglang_rl() -> type:
+        verl_loader()
+        from sglang_rl.integrations.verl.server import SGLangRLReplica
+
+        return SGLangRLReplica
+
+    registry.register("sglang", load_sglang_rl)
+
+
+class _ImportActions(importlib.abc.MetaPathFinder):
+    """Runs an action just before one module is imported and another just after one is."""
+
+    def __init__(self, before: dict[str, Callable[[], None]],
+                 after: dict[str, Callable[[ModuleType], None]]) -> None:
+        self.before, self.after = dict(before), dict(after)
+
+    def find_spec(self, name: str, path: Optional[Sequence[str]], target: Any = None) -> Any:
+        action, then = self.before.pop(name, None), self.after.pop(name, None)
+        if not self.before and not self.after and self in sys.meta_path:
+            sys.meta_path.remove(self)  # done; the imports the actions make don't come back here
+        if action is not None:
+            action()
+        if then is None:
+            return None  # the import goes on as usual
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            logger.warning("sglang-rl: %s is not a plain module on sys.path; not registered", name)
+            return None
+        exec_module = spec.loader.exec_module
+
+        def exec_then(module: ModuleType) -> None:
+            exec_module(module)
+            then(module)
+
+        spec.loader.exec_module = exec_then  # this spec's own loader object
+        return spec
+
+
 def load_plugins_first() -> None:
     """Ray `worker_process_setup_hook`: load sglang's plugins before verl's sglang server module
-    runs (at once if it was already imported)."""
+    runs, and register `SGLangRLReplica` with verl's rollout registry (at once where verl's
+    modules were already imported)."""
+    if any(isinstance(finder, _ImportActions) for finder in sys.meta_path):
+        return
+    before: dict[str, Callable[[], None]] = {}
+    after: dict[str, Callable[[ModuleType], None]] = {}
     if VERL_SERVER_MODULE in sys.modules:
         load_sglang_plugins()
-    elif not any(isinstance(finder, _LoadPluginsFirst) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _LoadPluginsFirst())
+    else:
+        before[VERL_SERVER_MODULE] = load_sglang_plugins
+    if VERL_REPLICA_MODULE in sys.modules:
+        register_replica(sys.modules[VERL_REPLICA_MODULE])
+    else:
+        after[VERL_REPLICA_MODULE] = register_replica
+    if before or after:
+        sys.meta_path.insert(0, _ImportActions(before, after))

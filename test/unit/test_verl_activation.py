@@ -1,0 +1,83 @@
+"""The verl activation hook and the rollout records verl's server reads.
+
+The hook is run in a fresh interpreter, as Ray runs it in a worker: it must load sglang's plugins
+before verl's sglang server module executes, and make verl's own rollout registry give the
+sglang-rl replica for `sglang`, without importing either module itself.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from sglang_rl.adapters import rollout_records
+from sglang_rl.adapters.toploc import FINGERPRINTS_FIELD
+
+
+def _run(code: str) -> str:
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout
+
+
+def test_hook_registers_the_replica_lazily() -> None:
+    out = _run(
+        "import sys\n"
+        "from sglang_rl.integrations.verl.activate import load_plugins_first\n"
+        "load_plugins_first()\n"
+        "print('imported before:', 'verl.workers.rollout.replica' in sys.modules, 'sglang' in sys.modules)\n"
+        "from verl.workers.rollout.replica import get_rollout_replica_class\n"
+        "cls = get_rollout_replica_class('sglang')\n"
+        "print('replica:', cls.__name__, cls.__mro__[1].__name__)\n"
+        "import verl.workers.rollout.sglang_rollout.async_sglang_server as m\n"
+        "print('server args:', m.ServerArgs.__name__)\n"
+    )
+    assert "imported before: False False" in out, out
+    assert "replica: SGLangRLReplica SGLangReplica" in out, out
+    assert "server args: RLServerArgs" in out, out
+
+
+def test_hook_after_verl_was_imported_acts_at_once() -> None:
+    out = _run(
+        "import verl.workers.rollout.replica as r\n"
+        "from sglang_rl.integrations.verl.activate import load_plugins_first\n"
+        "load_plugins_first()\n"
+        "print('replica:', r.get_rollout_replica_class('sglang').__name__)\n"
+        "print('vllm untouched:', r.RolloutReplicaRegistry._registry['vllm'].__name__)\n"
+    )
+    assert "replica: SGLangRLReplica" in out and "vllm untouched: _load_vllm" in out, out
+
+
+class _Manager:
+    """Stands in for sglang's TokenizerManager: records live as an attribute on it."""
+
+
+def _output(rid: str, finished: bool, **meta: object) -> dict:
+    return {"meta_info": {"id": rid, "finish_reason": {"type": "stop"} if finished else None, **meta}}
+
+
+def test_records_are_off_until_enabled_and_taken_once() -> None:
+    manager = _Manager()
+    rollout_records.record(manager, _output("a", True, **{FINGERPRINTS_FIELD: ["fp"]}))
+    assert rollout_records.pop(manager, "a") == {}  # off: nothing kept
+    rollout_records.enable(manager)
+    rollout_records.record(manager, _output("a", False, **{FINGERPRINTS_FIELD: ["partial"]}))
+    assert rollout_records.pop(manager, "a") == {}  # not finished yet
+    rollout_records.record(manager, _output("a", True, spec_verify_ct=5, spec_num_correct_drafts=7,
+                                            spec_num_proposed_drafts=15, spec_accept_length=2.4,
+                                            **{FINGERPRINTS_FIELD: ["fp"]}))
+    assert rollout_records.pop(manager, "a") == {
+        FINGERPRINTS_FIELD: ["fp"], "spec_num_verify_steps": 5, "spec_num_accepted_tokens": 7,
+        "spec_num_draft_tokens": 15}
+    assert rollout_records.pop(manager, "a") == {}  # taken once
+
+
+def test_records_stay_bounded() -> None:
+    manager = _Manager()
+    records = rollout_records.enable(manager, capacity=3)
+    assert rollout_records.enable(manager) is records
+    for i in range(5):
+        rollout_records.record(manager, _output(f"r{i}", True, spec_verify_ct=i))
+    assert len(records) == 3 and records.dropped == 2
+    assert rollout_records.pop(manager, "r0") == {}
+    assert rollout_records.pop(manager, "r4") == {"spec_num_verify_steps": 4}
