@@ -60,7 +60,8 @@ def hook_table() -> list[Hook]:
         Hook(f"{SRT}.managers.tokenizer_manager.TokenizerManager.generate_request", A,
              api.generate_request_around,
              "one place for all entry points: validate fields (400), ship them in custom_params, "
-             "turn scheduler payloads into meta_info fields"),
+             "turn scheduler payloads into meta_info fields, keep rollout records for an "
+             "in-process caller that asked (verl's server)"),
         # --- scheduler ---------------------------------------------------------------------
         Hook(f"{SRT}.model_executor.forward_batch_info.get_server_return_hidden_states_mode", AF,
              scheduler.server_capture_mode_after,
