@@ -4,7 +4,9 @@ verl's rollout registry gives the replica class for `rollout.name=sglang`; its s
 actors, build sglang's `ServerArgs` from `rollout.engine_kwargs.sglang` and launch sglang the way
 verl does. Here they are started exactly so, in a local Ray cluster whose runtime env carries the
 one setting a verl user adds (`ray_kwargs.ray_init.runtime_env.worker_process_setup_hook`), with
-the plugin's flags in `engine_kwargs.sglang`: TOPLOC fingerprints and drafter co-training on EAGLE.
+the plugin's flags in `engine_kwargs.sglang`: TOPLOC fingerprints and drafter co-training on EAGLE,
+as examples/verl/run_grpo.py configures its co-training arm (verl's config composed with its
+overrides).
 Rollouts go through verl's own `generate`; what it returns (the `extra_fields` verl copies into
 its batch) carries each rollout's fingerprint, verified on another server, and its speculative
 counters; the co-training stats come from the server actor. Without the setting, verl refuses the
@@ -19,37 +21,46 @@ from typing import Iterator
 import pytest
 import ray
 import requests
+from omegaconf import open_dict
 
 from test_drafter_cotrain import gsm8k, init_drafter
 from sglang_rl.adapters.toploc import FINGERPRINTS_FIELD
 from toploc_helpers import assert_fingerprints_verify
+from verl_example import example_config
 
 SETUP_HOOK = "sglang_rl.integrations.verl.activate.load_plugins_first"
 # verl's GPU defaults that a CPU server cannot take (no memory saver, no flashinfer)
 CPU_ARGS = {"device": "cpu", "attention_backend": "torch_native", "max_total_tokens": 16384,
             "enable_memory_saver": False, "sleep_on_idle": True}
-PLUGIN_ARGS = {
-    "toploc_verification": True,
-    "speculative_algorithm": "EAGLE", "speculative_num_steps": 3, "speculative_eagle_topk": 1,
-    "speculative_num_draft_tokens": 4,
-    "drafter_cotrain": True, "drafter_cotrain_samples_per_round": 4, "drafter_cotrain_steps": 2,
-    "drafter_cotrain_soft_topk": 64, "drafter_cotrain_threads": 1,
-}
+# co-training rounds small enough for two CPU cores
+CPU_COTRAIN = {"drafter_cotrain_samples_per_round": 4, "drafter_cotrain_steps": 2,
+               "drafter_cotrain_soft_topk": 64, "drafter_cotrain_threads": 1}
 ROLLOUTS = 4
 
 
-def _verl_server(model_path: str, engine_kwargs: dict):
-    """The server of the replica class verl's registry gives for `sglang`, as that replica
-    creates it: a Ray actor, one replica."""
+def example_setup_hook(model_path: str) -> str:
+    """The Ray worker set-up hook the example puts in verl's `ray_kwargs`."""
+    hook = example_config("plain", model_path, None).ray_kwargs.ray_init.runtime_env.worker_process_setup_hook
+    assert hook == SETUP_HOOK, hook
+    return hook
+
+
+def _verl_server(model_path: str, drafter_path: str):
+    """The server of the replica class verl's registry gives for `sglang`, with the rollout config
+    of the example's co-training arm (CPU settings on top), as that replica creates it: a Ray
+    actor, one replica."""
     from sglang_rl.integrations.verl.activate import load_plugins_first
 
     load_plugins_first()  # what the hook does in every Ray worker; here the driver asks the registry
+    from verl.utils.config import omega_conf_to_dataclass
     from verl.workers.config.model import HFModelConfig
-    from verl.workers.config.rollout import RolloutConfig
     from verl.workers.rollout.replica import RolloutMode, get_rollout_replica_class
 
-    config = RolloutConfig(name="sglang", tensor_model_parallel_size=1, dtype="float32", load_format="auto",
-                           engine_kwargs={"sglang": {**CPU_ARGS, **engine_kwargs}})
+    rollout = example_config("cotrain", model_path, drafter_path).actor_rollout_ref.rollout
+    with open_dict(rollout):
+        rollout.dtype, rollout.load_format = "float32", "auto"
+        rollout.engine_kwargs.sglang.update({**CPU_ARGS, **CPU_COTRAIN})
+    config = omega_conf_to_dataclass(rollout)
     model_config = HFModelConfig(path=model_path)
     replica = get_rollout_replica_class("sglang")(replica_rank=0, config=config, model_config=model_config)
     assert type(replica).__name__ == "SGLangRLReplica", type(replica)
@@ -63,9 +74,9 @@ def verl_server(model_path: str, tmp_path_factory) -> Iterator[tuple]:
     draft = init_drafter(model_path, tmp_path_factory.mktemp("verl-drafter") / "d0")
     # loopback only: verl serves HTTP on Ray's node address
     ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
-             runtime_env={"worker_process_setup_hook": SETUP_HOOK, "env_vars": {"OMP_NUM_THREADS": "1"}})
+             runtime_env={"worker_process_setup_hook": example_setup_hook(model_path), "env_vars": {"OMP_NUM_THREADS": "1"}})
     try:
-        server = _verl_server(model_path, {**PLUGIN_ARGS, "speculative_draft_model_path": str(draft)})
+        server = _verl_server(model_path, str(draft))
         ray.get(server.launch_server.remote(), timeout=600)
         host, port = ray.get(server.get_server_address.remote())
         yield server, f"http://{host}:{port}"

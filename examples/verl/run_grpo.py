@@ -1,0 +1,115 @@
+"""GRPO on GSM8K with SmolLM2-135M-Instruct in verl 0.9.1, with sglang-rl in the rollout.
+
+One host with two GPUs: verl's colocated (hybrid) mode, the FSDP actor and two sglang rollout
+replicas (TP 1) sharing the GPUs, sleeping and waking around each update. Three arms:
+
+- `plain`: no speculative decoding;
+- `eagle`: EAGLE with a drafter that stays as it is (`--drafter-path`);
+- `cotrain`: EAGLE whose drafter (`--drafter-path`, its start) is co-trained on the rollouts.
+
+Every arm serves with TOPLOC fingerprints, which reach verl's batch (each sample's
+`extra_fields`). With EAGLE, verl logs `rollout/spec_accept_length` every step.
+
+    python examples/verl/prepare_gsm8k.py --out data/gsm8k
+    python -m sglang_rl.drafter init --target MODEL --out drafters/d0
+    python examples/verl/run_grpo.py --arm cotrain --model-path MODEL --drafter-path drafters/d0 \\
+        --data-dir data/gsm8k --steps 30 [hydra overrides ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ARMS = ("plain", "eagle", "cotrain")
+SETUP_HOOK = "sglang_rl.integrations.verl.activate.load_plugins_first"
+
+
+def sglang_kwargs(arm: str, drafter_path: str | None) -> dict:
+    """The sglang-rl and sglang flags of an arm, as verl's `engine_kwargs.sglang`."""
+    kwargs: dict = {"toploc_verification": True}
+    if arm in ("eagle", "cotrain"):
+        kwargs["speculative_draft_model_path"] = drafter_path
+    if arm == "cotrain":
+        kwargs.update(drafter_cotrain=True, drafter_cotrain_samples_per_round=64, drafter_cotrain_steps=4)
+    return kwargs
+
+
+def overrides(arm: str, model_path: str, data_dir: str, drafter_path: str | None = None,
+              steps: int = 30, gpus: int = 2, batch: int = 64, samples: int = 8) -> list[str]:
+    """verl's hydra overrides for one arm."""
+    if arm not in ARMS:
+        raise ValueError(f"--arm must be one of {', '.join(ARMS)}")
+    if arm != "plain" and not drafter_path:
+        raise ValueError(f"--arm {arm} needs --drafter-path")
+    actor, rollout = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
+    args = [
+        "algorithm.adv_estimator=grpo",
+        "algorithm.use_kl_in_reward=False",
+        f"data.train_files={data_dir}/train.parquet",
+        f"data.val_files={data_dir}/test.parquet",
+        f"data.train_batch_size={batch}",
+        "data.max_prompt_length=256",
+        "data.max_response_length=256",
+        f"actor_rollout_ref.model.path={model_path}",
+        "actor_rollout_ref.model.use_remove_padding=False",
+        "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+        f"{actor}.optim.lr=1e-6",
+        f"{actor}.ppo_mini_batch_size={batch}",
+        f"{actor}.ppo_micro_batch_size_per_gpu=32",
+        f"{actor}.use_kl_loss=False",
+        f"{rollout}.name=sglang",
+        f"{rollout}.mode=async",
+        f"{rollout}.n={samples}",
+        f"{rollout}.tensor_model_parallel_size=1",
+        f"{rollout}.gpu_memory_utilization=0.4",
+        f"{rollout}.log_prob_micro_batch_size_per_gpu=32",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=32",
+        f"reward.custom_reward_function.path={HERE / 'gsm8k_reward.py'}",
+        "reward.custom_reward_function.name=compute_score",
+        f"trainer.n_gpus_per_node={gpus}",
+        "trainer.nnodes=1",
+        f"trainer.total_training_steps={steps}",
+        "trainer.val_before_train=False",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=-1",
+        "trainer.logger=[console,file]",
+        "trainer.project_name=sglang-rl-gsm8k",
+        f"trainer.experiment_name={arm}",
+        f"+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook={SETUP_HOOK}",
+    ]
+    if arm != "plain":  # verl's switch for speculative rollout: EAGLE, 3 steps, top-1, 4 draft tokens
+        args += ["actor_rollout_ref.model.mtp.enable=True", "actor_rollout_ref.model.mtp.enable_rollout=True"]
+    args += [f"+{rollout}.engine_kwargs.sglang.{key}={value}"
+             for key, value in sglang_kwargs(arm, drafter_path).items()]
+    return args
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arm", choices=ARMS, required=True)
+    parser.add_argument("--model-path", required=True, help="the policy's starting folder")
+    parser.add_argument("--drafter-path", help="EAGLE drafter folder (eagle, cotrain)")
+    parser.add_argument("--data-dir", required=True, help="folder written by prepare_gsm8k.py")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--gpus", type=int, default=2)
+    parser.add_argument("--print", action="store_true", help="print verl's command instead of running it")
+    args, extra = parser.parse_known_args()
+    try:
+        command = [sys.executable, "-m", "verl.trainer.main_ppo",
+                   *overrides(args.arm, args.model_path, args.data_dir, args.drafter_path, args.steps, args.gpus),
+                   *extra]
+    except ValueError as error:
+        parser.error(str(error))
+    if args.print:
+        print(" \\\n  ".join(command))
+        return
+    sys.exit(subprocess.call(command, env={**os.environ, "PYTHONUNBUFFERED": "1"}))
+
+
+if __name__ == "__main__":
+    main()
