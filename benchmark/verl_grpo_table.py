@@ -1,0 +1,65 @@
+"""Per-step table of the verl GRPO example's arms, from verl's file logger.
+
+verl's `file` logger writes one JSON line per RL step (`{"step": N, "data": {metric: value}}`) to
+`$VERL_FILE_LOGGER_ROOT/<project>/<arm>.jsonl`. For each arm and step this prints the rollout
+seconds (`timing_s/gen`), output tokens per second of the rollout, the acceptance length
+(`rollout/spec_accept_length`) and the mean reward (`critic/score/mean`).
+
+    python benchmark/verl_grpo_table.py LOG_DIR/sglang-rl-gsm8k --samples-per-step 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from statistics import median
+
+ARMS = ("plain", "eagle", "cotrain")
+
+
+def read_steps(path: Path) -> list[dict]:
+    """One dict of metrics per logged step, in step order (validation-only lines skipped)."""
+    steps = []
+    for line in path.read_text().splitlines():
+        entry = json.loads(line)
+        if "timing_s/gen" in entry["data"]:
+            steps.append({"step": entry["step"], **entry["data"]})
+    return sorted(steps, key=lambda s: s["step"])
+
+
+def row(metrics: dict, samples_per_step: int) -> tuple:
+    gen = metrics["timing_s/gen"]
+    tokens = metrics["response_length/mean"] * samples_per_step
+    return (gen, tokens / gen if gen else 0.0, metrics.get("rollout/spec_accept_length"),
+            metrics.get("critic/score/mean"), metrics.get("timing_s/step"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("log_dir", type=Path, help="folder with <arm>.jsonl files")
+    parser.add_argument("--samples-per-step", type=int, required=True, help="prompts x rollouts per prompt")
+    args = parser.parse_args()
+    arms = {arm: read_steps(args.log_dir / f"{arm}.jsonl") for arm in ARMS if (args.log_dir / f"{arm}.jsonl").exists()}
+    if not arms:
+        parser.error(f"no {', '.join(a + '.jsonl' for a in ARMS)} in {args.log_dir}")
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+    print("| arm | step | rollout s | output tok/s | acceptance length | mean reward | step s |")
+    print("|---|---|---|---|---|---|---|")
+    for arm, steps in arms.items():
+        for metrics in steps:
+            gen, tps, accept, reward, step_s = row(metrics, args.samples_per_step)
+            print(f"| {arm} | {metrics['step']} | {gen:.2f} | {tps:.0f} | {fmt(accept, '.2f')} | "
+                  f"{fmt(reward, '.3f')} | {fmt(step_s, '.2f')} |")
+    print("\n| arm | steps | median rollout s | median output tok/s | median step s | last-5 mean reward |")
+    print("|---|---|---|---|---|---|")
+    for arm, steps in arms.items():
+        rows = [row(m, args.samples_per_step) for m in steps]
+        rewards = [r[3] for r in rows[-5:] if r[3] is not None]
+        print(f"| {arm} | {len(rows)} | {median(r[0] for r in rows):.2f} | {median(r[1] for r in rows):.0f} | "
+              f"{fmt(median(r[4] for r in rows if r[4] is not None) if any(r[4] for r in rows) else None, '.2f')} | "
+              f"{fmt(sum(rewards) / len(rewards) if rewards else None, '.3f')} |")
+
+
+if __name__ == "__main__":
+    main()
