@@ -2,7 +2,7 @@
 # The verl GRPO example's arms one after another on one host, then the per-step table.
 #
 # usage: benchmark/bench_verl_grpo.sh MODEL_DIR OUT_DIR [hydra overrides ...]
-#   PYTHON (python3), STEPS (30), ARMS ("plain eagle cotrain"), GPUS (2), FIXED_DRAFTER (the eagle arm's drafter;
+#   PYTHON (python3), GSM8K (a GSM8K .jsonl instead of the dataset package's), STEPS (30), ARMS ("plain eagle cotrain"), GPUS (2), FIXED_DRAFTER (the eagle arm's drafter;
 #   default: the random-init drafter the co-training arm starts from)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,7 +10,7 @@ MODEL=$1 OUT=$2
 shift 2
 PY=${PYTHON:-python3} STEPS=${STEPS:-30} ARMS=${ARMS:-"plain eagle cotrain"} GPUS=${GPUS:-2}
 mkdir -p "$OUT"
-[ -f "$OUT/data/train.parquet" ] || $PY examples/verl/prepare_gsm8k.py --out "$OUT/data"
+[ -f "$OUT/data/train.parquet" ] || $PY examples/verl/prepare_gsm8k.py --out "$OUT/data" ${GSM8K:+--source "$GSM8K"}
 [ -d "$OUT/drafter_init" ] || $PY -m sglang_rl.drafter init --target "$MODEL" --out "$OUT/drafter_init"
 for arm in $ARMS; do
   drafter=$OUT/drafter_init

