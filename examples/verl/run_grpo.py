@@ -31,7 +31,8 @@ SETUP_HOOK = "sglang_rl.integrations.verl.activate.load_plugins_first"
 
 def sglang_kwargs(arm: str, drafter_path: str | None) -> dict:
     """The sglang-rl and sglang flags of an arm, as verl's `engine_kwargs.sglang`."""
-    kwargs: dict = {"toploc_verification": True}
+    # prefill CUDA graphs are compiled at every server start (~4 min for this model on an H100)
+    kwargs: dict = {"toploc_verification": True, "cuda_graph_backend_prefill": "disabled"}
     if arm in ("eagle", "cotrain"):
         kwargs["speculative_draft_model_path"] = drafter_path
     if arm == "cotrain":
@@ -40,7 +41,8 @@ def sglang_kwargs(arm: str, drafter_path: str | None) -> dict:
 
 
 def overrides(arm: str, model_path: str, data_dir: str, drafter_path: str | None = None,
-              steps: int = 30, gpus: int = 2, batch: int = 64, samples: int = 8) -> list[str]:
+              steps: int = 30, gpus: int = 2, batch: int = 64, samples: int = 8,
+              rollout_sample_dir: str | None = None) -> list[str]:
     """verl's hydra overrides for one arm."""
     if arm not in ARMS:
         raise ValueError(f"--arm must be one of {', '.join(ARMS)}")
@@ -82,6 +84,8 @@ def overrides(arm: str, model_path: str, data_dir: str, drafter_path: str | None
         f"trainer.experiment_name={arm}",
         f"+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook={SETUP_HOOK}",
     ]
+    if rollout_sample_dir:  # a random 5% of the rollouts, with their ids, for an audit after the run
+        args.append(f"+ray_kwargs.ray_init.runtime_env.env_vars.SGLANG_RL_ROLLOUT_SAMPLE_DIR={rollout_sample_dir}")
     if arm != "plain":  # verl's switch for speculative rollout: EAGLE, 3 steps, top-1, 4 draft tokens
         args += ["actor_rollout_ref.model.mtp.enable=True", "actor_rollout_ref.model.mtp.enable_rollout=True"]
     args += [f"+{rollout}.engine_kwargs.sglang.{key}={value}"
@@ -97,11 +101,14 @@ def main() -> None:
     parser.add_argument("--data-dir", required=True, help="folder written by prepare_gsm8k.py")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--gpus", type=int, default=2)
+    parser.add_argument("--rollout-sample-dir", help="write a random 5%% of the rollouts here for an audit "
+                        "(python -m sglang_rl.integrations.verl.audit)")
     parser.add_argument("--print", action="store_true", help="print verl's command instead of running it")
     args, extra = parser.parse_known_args()
     try:
         command = [sys.executable, "-m", "verl.trainer.main_ppo",
-                   *overrides(args.arm, args.model_path, args.data_dir, args.drafter_path, args.steps, args.gpus),
+                   *overrides(args.arm, args.model_path, args.data_dir, args.drafter_path, args.steps, args.gpus,
+                             rollout_sample_dir=args.rollout_sample_dir),
                    *extra]
     except ValueError as error:
         parser.error(str(error))

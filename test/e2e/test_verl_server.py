@@ -16,6 +16,9 @@ flags. verl is installed without its pins (they need transformers < 5.11; sglang
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from typing import Iterator
 
 import pytest
@@ -72,14 +75,17 @@ def _verl_server(model_path: str, drafter_path: str):
 @pytest.fixture(scope="module")
 def verl_server(model_path: str, tmp_path_factory) -> Iterator[tuple]:
     draft = init_drafter(model_path, tmp_path_factory.mktemp("verl-drafter") / "d0")
+    sample_dir = tmp_path_factory.mktemp("verl-rollout-sample")
     # loopback only: verl serves HTTP on Ray's node address
     ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
-             runtime_env={"worker_process_setup_hook": example_setup_hook(model_path), "env_vars": {"OMP_NUM_THREADS": "1"}})
+             runtime_env={"worker_process_setup_hook": example_setup_hook(model_path),
+                          "env_vars": {"OMP_NUM_THREADS": "1", "SGLANG_RL_ROLLOUT_SAMPLE_DIR": str(sample_dir),
+                                       "SGLANG_RL_ROLLOUT_SAMPLE_RATE": "1.0"}})
     try:
         server = _verl_server(model_path, str(draft))
         ray.get(server.launch_server.remote(), timeout=600)
         host, port = ray.get(server.get_server_address.remote())
-        yield server, f"http://{host}:{port}"
+        yield server, f"http://{host}:{port}", sample_dir
     finally:
         ray.shutdown()
 
@@ -94,7 +100,7 @@ def _prompt_ids(model_path: str, messages: list[dict]) -> list[int]:
 
 def test_verl_rollouts_are_fingerprinted_and_cotrain_the_drafter(verl_server, model_path: str,
                                                                 toploc_server) -> None:
-    server, url = verl_server
+    server, url, sample_dir = verl_server
     prompts = [_prompt_ids(model_path, m) for m in gsm8k()[300:300 + ROLLOUTS]]
     # verl's own generate (its agent loop's call), greedy as verl's validation runs it
     outs = [ray.get(server.generate.remote(prompt_ids=ids, sampling_params={"temperature": 0, "max_tokens": 24},
@@ -114,6 +120,19 @@ def test_verl_rollouts_are_fingerprinted_and_cotrain_the_drafter(verl_server, mo
     assert stats.keys() == requests.get(url + "/drafter_cotrain_stats", timeout=120).json().keys()
     assert stats["samples"] >= ROLLOUTS and stats["trainer_alive"] and not stats["errors"], stats
     assert stats["acceptance_verify_steps"][0] > 0, stats
+    # the rollout sample (rate 1: every rollout) holds them with their ids; the audit verifies them
+    written = [json.loads(line) for path in sample_dir.glob("*.jsonl") for line in path.read_text().splitlines()]
+    assert sorted(r["output_ids"] for r in written) == sorted(list(o.token_ids) for o in outs)
+    audit = _audit(toploc_server.url, sample_dir)
+    assert audit.returncode == 0 and f"verified {ROLLOUTS} of {ROLLOUTS}" in audit.stdout, audit.stdout + audit.stderr
+    tampered = sample_dir.parent / "tampered"
+    tampered.mkdir()
+    ids = written[0]["output_ids"]
+    bad = dict(written[0], output_ids=[ids[0] ^ 1, *ids[1:]])  # another first token: every later row moves
+    (tampered / "r.jsonl").write_text("\n".join(json.dumps(r) for r in [bad, *written[1:]]) + "\n")
+    audit = _audit(toploc_server.url, tampered)
+    assert audit.returncode == 1 and f"verified {ROLLOUTS - 1} of {ROLLOUTS}" in audit.stdout, audit.stdout
+    assert f"FAILED {bad['request_id']}" in audit.stdout
     # the HTTP API verl serves answers the same tokens
     resp = requests.post(url + "/generate", json={
         "input_ids": prompts[0], "sampling_params": {"temperature": 0, "max_new_tokens": 24},
@@ -122,11 +141,14 @@ def test_verl_rollouts_are_fingerprinted_and_cotrain_the_drafter(verl_server, mo
     assert resp.json()["meta_info"]["output_ids"] == list(outs[0].token_ids)
 
 
+def _audit(verifier: str, sample_dir) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sglang_rl.integrations.verl.audit", "--server", verifier,
+                           "--sample-dir", str(sample_dir), "--count", "256"],
+                          capture_output=True, text=True, timeout=600)
+
+
 def test_without_the_setup_hook_verl_refuses_the_flags(model_path: str) -> None:
     """The reason the setting exists: verl builds ServerArgs before sglang loads plugins."""
-    import subprocess
-    import sys
-
     code = (
         "import verl.workers.rollout.sglang_rollout.async_sglang_server as m\n"
         f"m.ServerArgs(model_path={model_path!r}, toploc_verification=True)\n"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -40,6 +41,8 @@ def test_dataset_files_hold_disjoint_train_and_held_out_problems(tmp_path) -> No
     first = train.iloc[0]
     assert first["prompt"][0]["role"] == "user" and "Janet" in first["prompt"][0]["content"]
     assert first["reward_model"]["ground_truth"] == "18"  # GSM8K's "#### 18"
+    chats = [json.loads(line)["messages"] for line in (tmp_path / "train_prompts.jsonl").read_text().splitlines()]
+    assert [c[0]["content"] for c in chats] == [row[0]["content"] for row in train["prompt"]]
     assert reward.compute_score(first["data_source"], "#### 18", first["reward_model"]["ground_truth"]) == 1.0
     too_many = subprocess.run([sys.executable, str(EXAMPLE / "prepare_gsm8k.py"), "--out", str(tmp_path),
                                "--train", "2000"], capture_output=True, text=True, timeout=300)
@@ -61,6 +64,12 @@ def test_arms_compose_into_verl_config(arm: str) -> None:
     assert sglang.get("drafter_cotrain", False) == (arm == "cotrain")
     assert config.trainer.n_gpus_per_node == 2 and config.trainer.total_training_steps == 30
     assert config.trainer.experiment_name == arm
+
+
+def test_rollout_sample_goes_to_every_ray_worker() -> None:
+    config = example_config("cotrain", "/m", "/drafters/d0", rollout_sample_dir="/audit")
+    assert config.ray_kwargs.ray_init.runtime_env.env_vars.SGLANG_RL_ROLLOUT_SAMPLE_DIR == "/audit"
+    assert "env_vars" not in example_config("plain", "/m", None).ray_kwargs.ray_init.runtime_env
 
 
 def test_launcher_refuses_an_arm_without_its_drafter() -> None:

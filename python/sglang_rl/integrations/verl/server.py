@@ -10,12 +10,16 @@ verl's agent loop copies into the batch (`non_tensor_batch` in the legacy traine
 - `spec_num_draft_tokens`, `spec_num_accepted_tokens`, `spec_num_verify_steps` with speculative
   decoding, which verl turns into `rollout/spec_accept_length` every step.
 
+With `SGLANG_RL_ROLLOUT_SAMPLE_DIR` in the Ray workers' environment, a random sample of rollouts is
+also written with their token ids for a later audit (rollout_sample.py).
+
 `SGLangRLReplica` is verl's `SGLangReplica` whose servers are of this class; `activate.py`
 registers it under verl's rollout name `sglang`.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any, Optional
 
 import ray
@@ -24,6 +28,7 @@ from verl.workers.rollout.sglang_rollout.async_sglang_server import SGLangHttpSe
 
 from sglang_rl.adapters import rollout_records
 from sglang_rl.adapters.cotrain_api import fetch_stats
+from sglang_rl.integrations.verl.rollout_sample import RolloutSample
 
 
 class SGLangRLHttpServer(SGLangHttpServer):
@@ -33,6 +38,7 @@ class SGLangRLHttpServer(SGLangHttpServer):
         await super().launch_server(*args, **kwargs)
         if getattr(self, "tokenizer_manager", None) is not None:  # only the node that serves
             rollout_records.enable(self.tokenizer_manager)
+        self.rollout_sample = RolloutSample.from_env(f"replica{self.replica_rank}-{os.getpid()}")
 
     async def generate(self, prompt_ids: Any, sampling_params: dict[str, Any], request_id: str,
                        *args: Any, **kwargs: Any) -> TokenOutput:
@@ -40,6 +46,9 @@ class SGLangRLHttpServer(SGLangHttpServer):
         record = rollout_records.pop(self.tokenizer_manager, request_id)
         if record:
             output.extra_fields = {**output.extra_fields, **record}
+        if getattr(self, "rollout_sample", None) is not None:
+            self.rollout_sample.offer(request_id, getattr(self, "global_steps", 0), prompt_ids, output.token_ids,
+                                      record)
         return output
 
     async def drafter_cotrain_stats(self) -> Optional[dict]:

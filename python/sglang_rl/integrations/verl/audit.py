@@ -1,0 +1,85 @@
+"""Verify a random sample of a verl run's rollouts on a verifier server.
+
+Reads the rollout sample the rollout servers wrote (rollout_sample.py), draws `--count` of them
+at random, and checks each fingerprint in the exact-token form on `--server`: a sglang-rl server
+with `--toploc-verification` serving the agreed model (with `--toploc-verification-calibration`
+for calibrated bounds). Prints one line per failure and a summary; exits 1 if any failed.
+
+    python -m sglang_rl.integrations.verl.audit --server http://verifier:30000 \\
+        --sample-dir /path/to/folder --count 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from sglang_rl.adapters.toploc import FINGERPRINTS_FIELD, RESULT_FIELD
+
+
+def read_sample(folder: Path) -> list[dict]:
+    """Every rollout written to the folder's .jsonl files."""
+    rollouts = []
+    for path in sorted(folder.glob("*.jsonl")):
+        rollouts += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return rollouts
+
+
+def verify(server: str, rollout: dict, timeout: float = 600.0) -> dict:
+    """The verifier's report for one rollout's last fingerprint ({"error": ...} if none came)."""
+    body = {"input_ids": rollout["input_ids"] + rollout["output_ids"], "sampling_params": {"max_new_tokens": 0},
+            "toploc_verification_fingerprint_to_validate": rollout[FINGERPRINTS_FIELD][-1]}
+    request = urllib.request.Request(server.rstrip("/") + "/generate", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            meta = json.loads(response.read())["meta_info"]
+    except (urllib.error.URLError, OSError, ValueError, KeyError) as error:
+        return {"error": f"{type(error).__name__}: {error}"}
+    raw = meta.get(RESULT_FIELD)
+    return json.loads(raw) if isinstance(raw, str) else {"error": f"no {RESULT_FIELD} in the answer"}
+
+
+def audit(server: str, rollouts: list[dict], workers: int = 8) -> list[tuple[dict, dict]]:
+    """(rollout, report) for each rollout, verified `workers` at a time with a progress bar."""
+    from tqdm import tqdm
+
+    with ThreadPoolExecutor(workers) as pool:
+        reports = list(tqdm(pool.map(lambda r: verify(server, r), rollouts), total=len(rollouts),
+                            desc="verifying", unit="rollout"))
+    return list(zip(rollouts, reports))
+
+
+def main(argv: Any = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--server", required=True, help="verifier URL")
+    parser.add_argument("--sample-dir", type=Path, required=True, help="SGLANG_RL_ROLLOUT_SAMPLE_DIR of the run")
+    parser.add_argument("--count", type=int, default=256, help="rollouts to verify (all if fewer were written)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workers", type=int, default=8)
+    args = parser.parse_args(argv)
+    if not args.sample_dir.is_dir():
+        parser.error(f"--sample-dir {args.sample_dir} is not a folder")
+    rollouts = read_sample(args.sample_dir)
+    if not rollouts:
+        parser.error(f"no rollouts in {args.sample_dir}/*.jsonl")
+    chosen = random.Random(args.seed).sample(rollouts, min(args.count, len(rollouts)))
+    results = audit(args.server, chosen, args.workers)
+    failed = [(r, rep) for r, rep in results if rep.get("verified") is not True]
+    for rollout, report in failed:
+        print(f"FAILED {rollout['request_id']} (step {rollout.get('global_steps')}): "
+              f"{report.get('error') or json.dumps(report)[:300]}")
+    print(f"verified {len(results) - len(failed)} of {len(results)} rollouts "
+          f"(sampled from {len(rollouts)}) on {args.server}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
