@@ -160,3 +160,49 @@ def test_process_entry_point_takes_a_new_target_head(folders) -> None:
             inbox.put(("sample", sample_to_wire(sample(seed=i, version=1))))
         kind, _, metrics = outbox.get(timeout=120)
         assert kind == "round" and metrics["head_updates"] == 1, metrics
+
+
+def _start_cotrain_then_wait(folders: tuple[str, str], pid_file: str) -> None:
+    """A stand-in server process: starts the co-training process, then waits to be killed."""
+    import time
+
+    ctx = multiprocessing.get_context("spawn")
+    inbox, outbox = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=cotrain_main, args=(config(folders, threads=1), inbox, outbox), daemon=True)
+    proc.start()
+    assert outbox.get(timeout=120)[0] == "ready"
+    Path(pid_file).write_text(str(proc.pid))
+    time.sleep(600)
+
+
+def test_process_exits_when_its_server_is_killed(folders, tmp_path: Path) -> None:
+    """A server killed outright (as Ray kills an actor) cannot stop its co-training process;
+    the process notices and exits instead of lingering with its memory."""
+    import os
+    import signal
+    import time
+
+    pid_file = tmp_path / "cotrain.pid"
+    server = multiprocessing.get_context("spawn").Process(target=_start_cotrain_then_wait,
+                                                          args=(folders, str(pid_file)))
+    server.start()
+    deadline = time.monotonic() + 180
+    while not pid_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    cotrain_pid = int(pid_file.read_text())
+    os.kill(server.pid, signal.SIGKILL)
+    server.join(timeout=30)
+
+    def alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        with contextlib.suppress(FileNotFoundError):  # a zombie waiting for init to reap it is gone
+            return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+        return False
+
+    deadline = time.monotonic() + 30
+    while alive(cotrain_pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive(cotrain_pid), "the co-training process outlived its server"

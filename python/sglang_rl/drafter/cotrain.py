@@ -15,6 +15,7 @@ policy version that produced it.
 from __future__ import annotations
 
 import dataclasses
+import os
 import queue
 import time
 import traceback
@@ -186,6 +187,10 @@ class CotrainLoop:
         return weights, metrics
 
 
+# how often an idle co-training process checks that the server that started it still runs
+PARENT_CHECK_SECONDS = 2.0
+
+
 def _drain(inbox: Any, first: Any) -> list:
     items = [first]
     while True:
@@ -208,8 +213,15 @@ def cotrain_main(config: CotrainConfig, inbox: Any, outbox: Any) -> None:
         outbox.put(("error", traceback.format_exc()))
         return
     outbox.put(("ready", {}))
+    parent = os.getppid()
     while True:
-        for message in _drain(inbox, inbox.get()):
+        try:
+            first = inbox.get(timeout=PARENT_CHECK_SECONDS)
+        except queue.Empty:
+            if os.getppid() != parent:  # the server was killed (e.g. its Ray actor): nothing will come
+                return
+            continue
+        for message in _drain(inbox, first):
             if message[0] == "stop":
                 return
             if message[0] == "target_head":
