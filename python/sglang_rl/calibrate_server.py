@@ -16,25 +16,12 @@ standard library and the model's tokenizer.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence
-from typing import Any
 
 from sglang_rl.calibrate_cpu import gsm8k_prompts, write_records
-
-RESULT_FIELD = "toploc_verification_fingerprint_validation_result"
-
-
-def _post(url: str, body: dict, timeout: float) -> Any:
-    request = urllib.request.Request(
-        url + "/generate", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(request, timeout=timeout) as response:
-        return json.loads(response.read())
-
+from sglang_rl.verifier_client import post_generate, verify_response
 
 def token_budget(index: int, max_tokens: int) -> int:
     """``max_tokens`` for prompts 0, 1, 4, 5, ...; 33..63 (a short final chunk) for 2, 3, 6, 7, ..."""
@@ -50,17 +37,13 @@ def collect(
     """Generate on ``generator``, verify on ``verifier`` (``batch`` requests in flight, so the
     servers batch them), return one record per response."""
     def one(i: int) -> dict:
-        meta = _post(generator, {
+        meta = post_generate(generator, {
             "input_ids": prompts[i],
             "sampling_params": {"max_new_tokens": token_budget(i, max_tokens), "temperature": 0.0},
             "return_input_ids": True, "return_output_ids": True,
         }, timeout)["meta_info"]
-        check = _post(verifier, {
-            "input_ids": meta["input_ids"] + meta["output_ids"],
-            "sampling_params": {"max_new_tokens": 0},
-            "toploc_verification_fingerprint_to_validate": meta["toploc_verification_fingerprints"][-1],
-        }, timeout)
-        report = json.loads(check["meta_info"][RESULT_FIELD])
+        report = verify_response(verifier, meta["input_ids"], meta["output_ids"],
+                                 meta["toploc_verification_fingerprints"][-1], timeout)
         return {"config": config, "honest": honest, "prompt": i, **report}
 
     with ThreadPoolExecutor(batch) as pool:

@@ -42,10 +42,14 @@ def test_hook_after_verl_was_imported_acts_at_once() -> None:
         "import verl.workers.rollout.replica as r\n"
         "from sglang_rl.integrations.verl.activate import load_plugins_first\n"
         "load_plugins_first()\n"
+        "load_plugins_first()\n"  # twice: registered once, verl's loader kept underneath
+        "loader = r.RolloutReplicaRegistry._registry['sglang']\n"
+        "print('wraps verl:', loader.__closure__[0].cell_contents.__name__)\n"
         "print('replica:', r.get_rollout_replica_class('sglang').__name__)\n"
         "print('vllm untouched:', r.RolloutReplicaRegistry._registry['vllm'].__name__)\n"
     )
     assert "replica: SGLangRLReplica" in out and "vllm untouched: _load_vllm" in out, out
+    assert "wraps verl: _load_sglang" in out, out
 
 
 class _Manager:

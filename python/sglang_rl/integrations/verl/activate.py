@@ -51,6 +51,8 @@ def register_replica(replica_module: ModuleType) -> None:
     first: it prepares the process for sglang)."""
     registry = replica_module.RolloutReplicaRegistry
     verl_loader = registry._registry["sglang"]
+    if getattr(verl_loader, "sglang_rl", False):
+        return  # registered already (the hook ran twice in this process)
 
     def load_sglang_rl() -> type:
         verl_loader()
@@ -58,6 +60,7 @@ def register_replica(replica_module: ModuleType) -> None:
 
         return SGLangRLReplica
 
+    load_sglang_rl.sglang_rl = True
     registry.register("sglang", load_sglang_rl)
 
 

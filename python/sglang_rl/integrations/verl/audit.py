@@ -16,12 +16,12 @@ import json
 import random
 import sys
 import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from sglang_rl.adapters.toploc import FINGERPRINTS_FIELD, RESULT_FIELD
+from sglang_rl.adapters.toploc import FINGERPRINTS_FIELD
+from sglang_rl.verifier_client import verify_response
 
 
 def read_sample(folder: Path) -> list[dict]:
@@ -34,17 +34,11 @@ def read_sample(folder: Path) -> list[dict]:
 
 def verify(server: str, rollout: dict, timeout: float = 600.0) -> dict:
     """The verifier's report for one rollout's last fingerprint ({"error": ...} if none came)."""
-    body = {"input_ids": rollout["input_ids"] + rollout["output_ids"], "sampling_params": {"max_new_tokens": 0},
-            "toploc_verification_fingerprint_to_validate": rollout[FINGERPRINTS_FIELD][-1]}
-    request = urllib.request.Request(server.rstrip("/") + "/generate", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            meta = json.loads(response.read())["meta_info"]
+        return verify_response(server, rollout["input_ids"], rollout["output_ids"],
+                               rollout[FINGERPRINTS_FIELD][-1], timeout)
     except (urllib.error.URLError, OSError, ValueError, KeyError) as error:
         return {"error": f"{type(error).__name__}: {error}"}
-    raw = meta.get(RESULT_FIELD)
-    return json.loads(raw) if isinstance(raw, str) else {"error": f"no {RESULT_FIELD} in the answer"}
 
 
 def audit(server: str, rollouts: list[dict], workers: int = 8) -> list[tuple[dict, dict]]:
