@@ -39,10 +39,11 @@ def free_port() -> int:
             return port
 
 
-PORT_TAKEN = "error while attempting to bind on address"
-"""uvicorn's log line when the HTTP port was taken between `free_port` and the bind (by another
-test server's own sglang ports, say, while servers start together); the rest of that server
-keeps running without an HTTP front, so it is stopped and started again on another port."""
+PORT_TAKEN = ("error while attempting to bind on address", "EADDRINUSE")
+"""Log lines of a port taken between `free_port` and the bind, by another test server's ports
+while servers start together: uvicorn's (the HTTP port; the rest of that server keeps running
+without an HTTP front) and torch's (the rendezvous port). The server is stopped and started
+again on other ports."""
 PORT_ATTEMPTS = 3
 
 
@@ -59,14 +60,17 @@ class Server:
         full_env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", **(env or {})}
         for attempt in range(PORT_ATTEMPTS):
             self.port = free_port()
+            # sglang picks its rendezvous port itself (bind, close, bind later): servers starting
+            # together can pick the same one, so each gets its own from this session's ports.
+            nccl_port = free_port()
             self.url = f"http://127.0.0.1:{self.port}"
             self.log_path = log_dir / f"{log_name}-{self.port}.log"
             cmd = [
                 sys.executable, "-m", "sglang.launch_server", "--model-path", model,
                 "--device", "cpu", "--attention-backend", "torch_native",
                 "--max-total-tokens", "16384", "--dtype", "float32",
-                "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning",
-                *extra,
+                "--host", "127.0.0.1", "--port", str(self.port), "--nccl-port", str(nccl_port),
+                "--log-level", "warning", *extra,
             ]
             self._log = open(self.log_path, "w")
             self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
@@ -81,6 +85,9 @@ class Server:
     def _wait_healthy(self, timeout: float = 420.0) -> None:
         deadline = time.time() + timeout
         while time.time() < deadline:
+            if any(line in self.log_path.read_text() for line in PORT_TAKEN):
+                self.stop()
+                raise _PortTaken(f"a port was taken before the server bound it, see {self.log_path}")
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited early, see {self.log_path}:\n{self.log_path.read_text()[-3000:]}")
             try:
@@ -89,9 +96,6 @@ class Server:
                     return
             except requests.RequestException:
                 pass
-            if PORT_TAKEN in self.log_path.read_text():
-                self.stop()
-                raise _PortTaken(f"port {self.port} was taken before the server bound it, see {self.log_path}")
             time.sleep(2)
         self.stop()
         raise RuntimeError(f"server not healthy after {timeout}s, see {self.log_path}")
