@@ -8,7 +8,9 @@ replicas (TP 1) sharing the GPUs, sleeping and waking around each update. Three 
 - `cotrain`: EAGLE whose drafter (`--drafter-path`, its start) is co-trained on the rollouts.
 
 Every arm serves with TOPLOC fingerprints, which reach verl's batch (each sample's
-`extra_fields`). With EAGLE, verl logs `rollout/spec_accept_length` every step.
+`extra_fields`). With EAGLE, verl logs `rollout/spec_accept_length` every step; with co-training,
+the trainer (`sglang_rl_sync`, verl's sync trainer) also logs `cotrain/*` (rounds, loss, acceptance,
+policy version).
 
     python examples/verl/prepare_gsm8k.py --out data/gsm8k
     python -m sglang_rl.drafter init --target MODEL --out drafters/d0
@@ -82,6 +84,8 @@ def overrides(arm: str, model_path: str, data_dir: str, drafter_path: str | None
         "trainer.logger=[console,file]",
         "trainer.project_name=sglang-rl-gsm8k",
         f"trainer.experiment_name={arm}",
+        # verl's sync trainer that also logs cotrain/* every step (the same RL in every arm)
+        "trainer.v1.trainer_mode=sglang_rl_sync",
         f"+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook={SETUP_HOOK}",
     ]
     if rollout_sample_dir:  # a random 5% of the rollouts, with their ids, for an audit after the run

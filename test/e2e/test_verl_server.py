@@ -90,6 +90,32 @@ def verl_server(model_path: str, tmp_path_factory) -> Iterator[tuple]:
         ray.shutdown()
 
 
+class _Replicas:
+    """verl's LLMServerManager and CheckpointEngineManager as the trainer sees them: the replicas'
+    server actors, and a weight update that only counts (no trainer weights on this CPU test)."""
+
+    def __init__(self, server) -> None:
+        self.servers, self.updates = [server], []
+
+    def get_replicas(self) -> list:
+        return [self]
+
+    def update_weights(self, global_steps: int) -> None:
+        self.updates.append(global_steps)
+
+
+def _trainer_step_end(server) -> dict:
+    """SGLangRLTrainerSync.on_step_end on the real server actor; the metrics verl would log."""
+    from verl.trainer.ppo.v1 import get_trainer_cls
+
+    trainer = get_trainer_cls("sglang_rl_sync").__new__(get_trainer_cls("sglang_rl_sync"))
+    trainer.llm_server_manager = trainer.checkpoint_manager = _Replicas(server)
+    trainer.global_steps, trainer.timing_raw, trainer._cotrain_rounds = 7, {}, 0
+    trainer.on_step_end()
+    assert trainer.checkpoint_manager.updates == [7] and "update_weights" in trainer.timing_raw
+    return trainer._consume_sync_metrics()
+
+
 def _prompt_ids(model_path: str, messages: list[dict]) -> list[int]:
     from transformers import AutoTokenizer
 
@@ -120,6 +146,12 @@ def test_verl_rollouts_are_fingerprinted_and_cotrain_the_drafter(verl_server, mo
     assert stats.keys() == requests.get(url + "/drafter_cotrain_stats", timeout=120).json().keys()
     assert stats["samples"] >= ROLLOUTS and stats["trainer_alive"] and not stats["errors"], stats
     assert stats["acceptance_verify_steps"][0] > 0, stats
+    # the sglang_rl_sync trainer's step end: verl's weight update, then these stats as cotrain/*
+    # metrics that verl's fit() merges into the step it logs
+    metrics = _trainer_step_end(server)
+    assert metrics["cotrain/samples"] == stats["samples"] and metrics["cotrain/rounds"] == stats["rounds"], metrics
+    assert metrics["cotrain/trainer_alive"] == 1.0 and metrics["cotrain/errors"] == 0, metrics
+    assert "cotrain/acceptance_length" in metrics and "cotrain/policy_version" in metrics, metrics
     # the rollout sample (rate 1: every rollout) holds them with their ids; the audit verifies them
     written = [json.loads(line) for path in sample_dir.glob("*.jsonl") for line in path.read_text().splitlines()]
     assert sorted(r["output_ids"] for r in written) == sorted(list(o.token_ids) for o in outs)

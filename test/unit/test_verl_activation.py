@@ -52,6 +52,33 @@ def test_hook_after_verl_was_imported_acts_at_once() -> None:
     assert "wraps verl: _load_sglang" in out, out
 
 
+def test_hook_registers_the_cotrain_trainer_with_verls_trainer_registry() -> None:
+    out = _run(
+        "import sys\n"
+        "from sglang_rl.integrations.verl.activate import load_plugins_first\n"
+        "load_plugins_first()\n"
+        "print('imported before:', 'verl.trainer.ppo.v1' in sys.modules)\n"
+        "from verl.trainer.ppo.v1 import get_trainer_cls\n"  # what verl's TaskRunnerV1 calls
+        "cls = get_trainer_cls('sglang_rl_sync')\n"
+        "print('trainer:', cls.__name__, cls.__mro__[1].__name__)\n"
+        "print('sync untouched:', get_trainer_cls('sync').__name__)\n"
+    )
+    assert "imported before: False" in out, out
+    assert "trainer: SGLangRLTrainerSync PPOTrainerSync" in out, out
+    assert "sync untouched: PPOTrainerSync" in out, out
+
+
+def test_without_the_hook_verl_knows_no_such_trainer() -> None:
+    out = _run(
+        "from verl.trainer.ppo.v1 import get_trainer_cls\n"
+        "try:\n"
+        "    get_trainer_cls('sglang_rl_sync')\n"
+        "except ValueError as exc:\n"
+        "    print('refused:', exc)\n"
+    )
+    assert "refused: Unknown trainer 'sglang_rl_sync'" in out, out
+
+
 class _Manager:
     """Stands in for sglang's TokenizerManager: records live as an attribute on it."""
 

@@ -64,6 +64,7 @@ def test_arms_compose_into_verl_config(arm: str) -> None:
     assert sglang.get("drafter_cotrain", False) == (arm == "cotrain")
     assert config.trainer.n_gpus_per_node == 2 and config.trainer.total_training_steps == 30
     assert config.trainer.experiment_name == arm
+    assert config.trainer.v1.trainer_mode == "sglang_rl_sync"  # the same trainer in every arm
 
 
 def test_rollout_sample_goes_to_every_ray_worker() -> None:

@@ -11,7 +11,10 @@ runtime env's `worker_process_setup_hook` in every worker process. With this mod
   included;
 - verl's rollout registry (`RolloutReplicaRegistry`, verl's own extension point for rollout
   backends) gives `SGLangRLReplica` for the rollout name `sglang`: verl's replica and server,
-  whose outputs also carry each rollout's fingerprints and speculative counters (server.py).
+  whose outputs also carry each rollout's fingerprints and speculative counters (server.py);
+- verl's trainer registry (`register_trainer`, verl's own extension point for trainers) gets
+  `sglang_rl_sync`, verl's sync trainer that also logs co-training statistics every step
+  (trainer.py; chosen with `trainer.v1.trainer_mode=sglang_rl_sync`).
 
 Nothing of verl is changed; a process that imports neither module pays nothing.
 
@@ -33,6 +36,8 @@ logger = logging.getLogger(__name__)
 VERL_SERVER_MODULE = "verl.workers.rollout.sglang_rollout.async_sglang_server"
 # verl 0.9.1's registry of rollout backends (RolloutReplicaRegistry)
 VERL_REPLICA_MODULE = "verl.workers.rollout.replica"
+# verl 0.9.1's v1 trainers, chosen by name from its trainer registry (register_trainer)
+VERL_TRAINER_PACKAGE = "verl.trainer.ppo.v1"
 
 
 def load_sglang_plugins() -> None:
@@ -62,6 +67,11 @@ def register_replica(replica_module: ModuleType) -> None:
 
     load_sglang_rl.sglang_rl = True
     registry.register("sglang", load_sglang_rl)
+
+
+def register_trainer(_trainer_package: ModuleType) -> None:
+    """Register `sglang_rl_sync` with verl's trainer registry (importing it registers it)."""
+    import sglang_rl.integrations.verl.trainer  # noqa: F401
 
 
 class _ImportActions(importlib.abc.MetaPathFinder):
@@ -95,8 +105,8 @@ class _ImportActions(importlib.abc.MetaPathFinder):
 
 def load_plugins_first() -> None:
     """Ray `worker_process_setup_hook`: load sglang's plugins before verl's sglang server module
-    runs, and register `SGLangRLReplica` with verl's rollout registry (at once where verl's
-    modules were already imported)."""
+    runs, register `SGLangRLReplica` with verl's rollout registry and `sglang_rl_sync` with its
+    trainer registry (at once where verl's modules were already imported)."""
     if any(isinstance(finder, _ImportActions) for finder in sys.meta_path):
         return
     before: dict[str, Callable[[], None]] = {}
@@ -109,5 +119,9 @@ def load_plugins_first() -> None:
         register_replica(sys.modules[VERL_REPLICA_MODULE])
     else:
         after[VERL_REPLICA_MODULE] = register_replica
+    if VERL_TRAINER_PACKAGE in sys.modules:
+        register_trainer(sys.modules[VERL_TRAINER_PACKAGE])
+    else:
+        after[VERL_TRAINER_PACKAGE] = register_trainer
     if before or after:
         sys.meta_path.insert(0, _ImportActions(before, after))
