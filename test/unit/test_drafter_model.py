@@ -20,7 +20,7 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2Rot
 
 from sglang_rl.drafter import DrafterConfig, EagleDrafter, TargetHead, greedy_draft_chain, sample_from_rows
 from sglang_rl.drafter.model import apply_rotary
-from sglang_rl.integrations.verl import build_eagle_batch
+from sglang_rl.drafter import build_eagle_batch
 
 H, V = 32, 97
 

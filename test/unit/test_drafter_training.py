@@ -19,7 +19,7 @@ from sglang_rl.drafter import (
     sample_from_rows,
     soft_targets,
 )
-from sglang_rl.integrations.verl import build_eagle_batch
+from sglang_rl.drafter import build_eagle_batch
 
 H, V = 16, 50
 

@@ -4,6 +4,9 @@
   sglang 0.5.17's ``LlamaForCausalLMEagle`` / ``Qwen2ForCausalLMEagle`` compute.
 * :func:`eagle_loss` (loss.py): SmoothL1 on rows plus soft cross-entropy through the
   frozen head, with an optional reduced vocabulary.
+* :class:`AlignedSample` (sample.py): one generation's rows on its token columns;
+  :func:`select_window` (window.py), :func:`build_eagle_batch` (batch.py) and
+  :class:`HiddenStateReplayBuffer` (buffer.py) turn samples into training batches.
 * :class:`DrafterTrainer` (trainer.py): AdamW training on ``build_eagle_batch`` batches.
 * :func:`init_drafter`, :func:`save_drafter`, :func:`load_drafter`, :func:`sglang_weights`
   (checkpoint.py): folders sglang loads with ``--speculative-draft-model-path``.
@@ -11,6 +14,8 @@
 * ``python -m sglang_rl.drafter init --target DIR --out DIR`` (cli.py).
 """
 
+from sglang_rl.drafter.batch import build_eagle_batch
+from sglang_rl.drafter.buffer import HiddenStateReplayBuffer, tensor_nbytes
 from sglang_rl.drafter.chain import DraftChain, greedy_draft_chain
 from sglang_rl.drafter.checkpoint import (
     INIT_SCHEMES,
@@ -26,10 +31,18 @@ from sglang_rl.drafter.config import DRAFT_ARCHITECTURES, DrafterConfig, Drafter
 from sglang_rl.drafter.data import batches_from_samples, sample_from_rows
 from sglang_rl.drafter.loss import EagleLossConfig, LossOutput, SoftTargets, eagle_loss, soft_targets
 from sglang_rl.drafter.model import EagleDrafter
+from sglang_rl.drafter.sample import AlignedSample
 from sglang_rl.drafter.target_weights import TargetHead, load_target_head
 from sglang_rl.drafter.trainer import DrafterTrainer, PreparedBatch
+from sglang_rl.drafter.window import DEFAULT_WINDOW, select_window
 
 __all__ = [
+    "DEFAULT_WINDOW",
+    "AlignedSample",
+    "HiddenStateReplayBuffer",
+    "build_eagle_batch",
+    "select_window",
+    "tensor_nbytes",
     "DRAFT_ARCHITECTURES",
     "INIT_SCHEMES",
     "WEIGHTS_FILE",

@@ -28,7 +28,7 @@ from sglang_rl.drafter.config import dtype_from_name
 from sglang_rl.drafter.data import sample_from_rows
 from sglang_rl.drafter.loss import EagleLossConfig
 from sglang_rl.drafter.trainer import DrafterTrainer
-from sglang_rl.integrations.verl import HiddenStateReplayBuffer
+from sglang_rl.drafter.buffer import HiddenStateReplayBuffer
 
 __all__ = ["CotrainConfig", "CotrainLoop", "RolloutSample", "cotrain_main", "from_wire", "sample_from_wire",
            "sample_to_wire", "to_wire"]

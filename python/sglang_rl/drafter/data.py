@@ -1,8 +1,8 @@
 """Training inputs for the drafter, all through the verl helpers' one packing path.
 
 A plain sample (token ids, one hidden row per token, where the response starts) becomes an
-:class:`~sglang_rl.integrations.verl.AlignedSample`, and every batch is made by
-:func:`~sglang_rl.integrations.verl.build_eagle_batch` (windowing, shift-by-one, packing
+:class:`~sglang_rl.drafter.sample.AlignedSample`, and every batch is made by
+:func:`~sglang_rl.drafter.batch.build_eagle_batch` (windowing, shift-by-one, packing
 and ``cu_seqlens`` live there only).
 """
 
@@ -12,7 +12,9 @@ from typing import Any, Sequence
 
 import torch
 
-from sglang_rl.integrations.verl import DEFAULT_WINDOW, AlignedSample, build_eagle_batch
+from sglang_rl.drafter.batch import build_eagle_batch
+from sglang_rl.drafter.sample import AlignedSample
+from sglang_rl.drafter.window import DEFAULT_WINDOW
 
 __all__ = ["batches_from_samples", "sample_from_rows"]
 

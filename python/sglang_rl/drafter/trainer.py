@@ -25,7 +25,8 @@ from sglang_rl.drafter.checkpoint import save_drafter, sglang_weights
 from sglang_rl.drafter.data import batches_from_samples
 from sglang_rl.drafter.loss import EagleLossConfig, SoftTargets, eagle_loss, soft_targets
 from sglang_rl.drafter.model import EagleDrafter
-from sglang_rl.integrations.verl import DEFAULT_WINDOW, AlignedSample
+from sglang_rl.drafter.sample import AlignedSample
+from sglang_rl.drafter.window import DEFAULT_WINDOW
 
 __all__ = ["DrafterTrainer", "PreparedBatch"]
 

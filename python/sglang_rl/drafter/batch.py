@@ -14,8 +14,8 @@ from typing import Sequence
 
 import torch
 
-from sglang_rl.integrations.verl.alignment import AlignedSample
-from sglang_rl.integrations.verl.window import DEFAULT_WINDOW, select_window
+from sglang_rl.drafter.sample import AlignedSample
+from sglang_rl.drafter.window import DEFAULT_WINDOW, select_window
 
 __all__ = ["build_eagle_batch"]
 
