@@ -24,7 +24,7 @@ geometric mean.
 `--paired` runs one TOPLOC process instead, whose timed runs alternate (off, on, off, on, ...):
 in an "off" run no request gets a fingerprint builder (the benchmark-only `paired` variant of
 `toploc_ablation/`, which must be on PYTHONPATH; the server-wide capture mode stays, which the
-ablation of docs/benchmarks.md found costs nothing measurable). Drift between processes then
+ablation in docs/design.md, section 6, found costs nothing measurable). Drift between processes then
 cancels, and each shape's line gives on/off of every adjacent pair and their median:
 
     PYTHONPATH=$PYTHONPATH:benchmark/toploc_ablation python benchmark/bench_toploc.py --eagle --paired ...

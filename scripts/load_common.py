@@ -24,7 +24,7 @@ FEATURE_FLAGS = ("--toploc-verification", "--enable-return-hidden-states")
 FP_OUT = "toploc_verification_fingerprints"
 FP_IN = "toploc_verification_fingerprint_to_validate"
 RESULT = "toploc_verification_fingerprint_validation_result"
-_HEADER = struct.Struct(">2sBBHI")  # magic, version, chunk size, topk, n_rows (VERIFICATION_README.md)
+_HEADER = struct.Struct(">2sBBHI")  # magic, version, chunk size, topk, n_rows (docs/verification.md)
 
 
 def start_feature_server(log_name: str, *extra: str) -> Server:
@@ -47,7 +47,7 @@ def honest_sample(url: str, text: str = "The quick brown fox", max_new_tokens: i
 
 def hostile_fingerprints(fp: str, rng: random.Random) -> dict[str, object]:
     """Malformed variants of an honest fingerprint, by name; each must be refused with a 4xx
-    before the request is scheduled (VERIFICATION_README.md, "Hostile input")."""
+    before the request is scheduled (docs/verification.md, "Hostile input")."""
     raw = base64.b64decode(fp)
     magic, version, chunk, topk, n_rows = _HEADER.unpack_from(raw)
     width = 2 + 2 * topk

@@ -14,7 +14,7 @@ to a server running the same model with --toploc-verification. Two request forms
 * chat form: the original messages plus one assistant message holding the reply text, sent to
   /v1/chat/completions; the server continues that assistant message and locates the reply
   inside the prefill. The reply text is tokenised again, so this form can fail where the token
-  form passes (see VERIFICATION_README.md).
+  form passes (see docs/verification.md).
 """
 
 from __future__ import annotations

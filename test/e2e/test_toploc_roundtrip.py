@@ -181,7 +181,7 @@ def test_chat_form_round_trips_verify(roundtrips, tokenizer) -> None:
         if retokenized != generated:
             # the reply text does not re-tokenize to the generated tokens, so the chat form cannot
             # line its rows up: refused (400) when the in-context token count differs from the
-            # fingerprint's, not verified when only the tokens differ (VERIFICATION_README.md)
+            # fingerprint's, not verified when only the tokens differ (docs/verification.md)
             continue
         failures.append({**_failure(r), "reply_retokenizes_to_generated_tokens": retokenized == generated,
                          "generated_tokens": len(generated), "retokenized_tokens": len(retokenized)})

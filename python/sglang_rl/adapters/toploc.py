@@ -418,7 +418,7 @@ _device_known = False
 _provers: dict[torch.device, DeviceProver] = {}
 PROOF_STREAM_PRIORITY = 0
 """Priority of the proof stream (lower is higher; torch clamps it to the device's range). The
-default: on an H100 the highest made no job finish sooner beside a forward (docs/benchmarks.md);
+default: on an H100 the highest made no job finish sooner beside a forward (docs/design.md, section 7);
 the TOPLOC ablation plugin raises it to measure that."""
 
 
