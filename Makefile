@@ -10,7 +10,7 @@ $(STAMP): scripts/setup_cpu.sh requirements/cpu.txt python/pyproject.toml script
 	bash scripts/setup_cpu.sh
 
 model: setup
-	$(PY) -m sglang_rl.default_model
+	$(PY) -m sglang_rl.cli model
 
 demo: setup
 	$(PY) toploc-scripts/minimal_example.py --start-server

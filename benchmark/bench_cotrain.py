@@ -99,7 +99,7 @@ def cotrain_kwargs(samples_per_round: int, steps: int, lr: float, samples_per_st
 
 def ensure_init_drafter(model_path: str, out: Path) -> Path:
     if not (out / "config.json").exists():
-        subprocess.run([sys.executable, "-m", "sglang_rl.drafter", "init", "--target", model_path,
+        subprocess.run([sys.executable, "-m", "sglang_rl.drafter", "init", "--model-path", model_path,
                         "--out", str(out)], check=True)
     return out
 

@@ -14,7 +14,7 @@ shift 2
 BATCH=${BATCH:-64} N=${N:-8} PY=${PYTHON:-python3} STEPS=${STEPS:-30} ARMS=${ARMS:-"plain eagle cotrain"} GPUS=${GPUS:-2}
 mkdir -p "$OUT"
 [ -f "$OUT/data/train.parquet" ] || $PY examples/verl/prepare_gsm8k.py --out "$OUT/data" ${GSM8K:+--source "$GSM8K"}
-[ -d "$OUT/drafter_init" ] || $PY -m sglang_rl.drafter init --target "$MODEL" --out "$OUT/drafter_init"
+[ -d "$OUT/drafter_init" ] || $PY -m sglang_rl.drafter init --model-path "$MODEL" --out "$OUT/drafter_init"
 if [[ " $ARMS " == *" eagle "* && -z "${FIXED_DRAFTER:-}" && ! -d "$OUT/drafter_offline" ]]; then
   echo "=== offline drafter: $(date -u +%FT%TZ)"
   $PY benchmark/bench_cotrain.py train --model-path "$MODEL" --gsm8k "$OUT/data/train_prompts.jsonl" \

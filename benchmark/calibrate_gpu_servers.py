@@ -1,13 +1,13 @@
-"""GPU calibration records for `python -m sglang_rl.calibrate --stats`: many sglang servers of one
+"""GPU calibration records for `sglang-rl calibrate --stats`: many sglang servers of one
 small model on one GPU, honest generators in several configurations and cheaper ones, each
 checked by a bf16 verifier through `python -m sglang_rl.calibrate_server`.
 
-    python toploc-scripts/make_cheat_model.py --model M --noise 0.01 --out /tmp/noise0.01
-    python toploc-scripts/make_cheat_model.py --model M --noise 0.001 --seed 1 --out /tmp/noise0.001
-    python toploc-scripts/make_cheat_model.py --model M --drop-layers 2 --out /tmp/pruned2
-    python benchmark/calibrate_gpu_servers.py --model M --out-dir records/ [--only verifier,g_base,...]
-    python benchmark/calibrate_gpu_servers.py --model M --out-dir records/ --tp2   # a host with 2 GPUs
-    python -m sglang_rl.calibrate --model M --out cal.json --stats records/*.jsonl --no-measure
+    python toploc-scripts/make_cheat_model.py --model-path M --noise 0.01 --out /tmp/noise0.01
+    python toploc-scripts/make_cheat_model.py --model-path M --noise 0.001 --seed 1 --out /tmp/noise0.001
+    python toploc-scripts/make_cheat_model.py --model-path M --drop-layers 2 --out /tmp/pruned2
+    python benchmark/calibrate_gpu_servers.py --model-path M --out-dir records/ [--only verifier,g_base,...]
+    python benchmark/calibrate_gpu_servers.py --model-path M --out-dir records/ --tp2   # a host with 2 GPUs
+    sglang-rl calibrate --model-path M --out cal.json --stats records/*.jsonl --no-measure
 
 Servers start in two waves (the verifiers first): sglang sizes its KV cache from the memory that
 is free while it loads, so servers that load at the same moment can refuse to start. A job runs
@@ -84,7 +84,7 @@ def _ready(port: int) -> bool:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True)
+    parser.add_argument("--model-path", required=True, help="the agreed model's folder")
     parser.add_argument("--out-dir", required=True)
     parser.add_argument("--only", default="", help="comma-separated server names (default: all)")
     parser.add_argument("--start-timeout", type=float, default=330)
@@ -92,10 +92,10 @@ def main() -> int:
     args = parser.parse_args()
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    table = servers(args.model)
+    table = servers(args.model_path)
     jobs = list(JOBS)
     if args.tp2:
-        table.update({name: (port, extra, args.model) for name, (port, extra) in TP2_SERVERS.items()})
+        table.update({name: (port, extra, args.model_path) for name, (port, extra) in TP2_SERVERS.items()})
         jobs += TP2_JOBS
     names = [n for n in table if not args.only or n in args.only.split(",")]
     procs: dict[str, subprocess.Popen] = {}
@@ -126,7 +126,7 @@ def main() -> int:
             return f"{name}: skipped (server down, see {out}/server_*.log)"
         cmd = [sys.executable, "-m", "sglang_rl.calibrate_server",
                "--generator", f"http://127.0.0.1:{table[gen][0]}", "--verifier", f"http://127.0.0.1:{table[ver][0]}",
-               "--model", args.model, "--config", name, "--prompts", str(count), "--offset", str(offset),
+               "--model-path", args.model_path, "--config", name, "--prompts", str(count), "--offset", str(offset),
                "--batch", str(batch), "--max-tokens", "128", "--out", str(out / f"rec_{name}.jsonl")]
         result = subprocess.run(cmd + ([] if honest else ["--cheat"]), capture_output=True, text=True, timeout=400)
         return f"{name}: {result.stdout.strip()[-200:]} {result.stderr.strip()[-300:] if result.returncode else ''}"

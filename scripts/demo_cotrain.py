@@ -63,7 +63,7 @@ def main() -> None:
     prompts = gsm8k()
     evaluation = prompts[1200:1208]
     draft = Path(tempfile.mkdtemp(prefix="sglang-rl-demo-")) / "drafter"
-    subprocess.run([sys.executable, "-m", "sglang_rl.drafter", "init", "--target", model, "--out", str(draft)],
+    subprocess.run([sys.executable, "-m", "sglang_rl.drafter", "init", "--model-path", model, "--out", str(draft)],
                    check=True)
     print("starting an EAGLE server with --drafter-cotrain (CPU, ~1 minute)...", flush=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")

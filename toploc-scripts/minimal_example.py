@@ -2,7 +2,7 @@
 """TOPLOC end to end: generate a fingerprinted chat reply, then verify it in both request forms.
 
     # against a server you started with --toploc-verification
-    python toploc-scripts/minimal_example.py --url http://127.0.0.1:30000
+    python toploc-scripts/minimal_example.py --server http://127.0.0.1:30000
 
     # start one for the duration of the script (CPU, default model; `make demo` runs this)
     python toploc-scripts/minimal_example.py --start-server
@@ -189,7 +189,7 @@ def run_example(base_url: str, prompt: str, max_tokens: int, save_dir: Optional[
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     where = parser.add_mutually_exclusive_group(required=True)
-    where.add_argument("--url", help="base URL of a running server, e.g. http://127.0.0.1:30000")
+    where.add_argument("--server", help="base URL of a running server, e.g. http://127.0.0.1:30000")
     where.add_argument("--start-server", action="store_true",
                        help="start a server with --toploc-verification for this run")
     parser.add_argument("--model-path", help="model for --start-server (default: the plugin's "
@@ -216,7 +216,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             server.wait_healthy(args.startup_timeout)
             base_url = server.url
         else:
-            base_url = args.url.rstrip("/")
+            base_url = args.server.rstrip("/")
         ok = run_example(base_url, args.prompt, args.max_tokens, args.save_dir)
     except KeyboardInterrupt:
         ok = False

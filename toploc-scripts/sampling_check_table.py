@@ -3,7 +3,7 @@ several temperatures, verify each with toploc_verification_expect_sampled, print
 and the worker-level Z of each group.
 
     python -m sglang.launch_server --model-path MODEL --toploc-verification --port 30000 &
-    python toploc-scripts/sampling_check_table.py --url http://127.0.0.1:30000 --model MODEL
+    python toploc-scripts/sampling_check_table.py --server http://127.0.0.1:30000 --model-path MODEL
 
 Only temperature 1 is honest for the test; the other rows show how far colder or hotter sampling
 moves Z.
@@ -38,8 +38,8 @@ def check(url: str, prompt: list[int], temperature: float, max_tokens: int) -> d
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--url", required=True)
-    parser.add_argument("--model", required=True, help="model folder (tokenizer and chat template)")
+    parser.add_argument("--server", required=True, help="server URL")
+    parser.add_argument("--model-path", required=True, help="model folder (tokenizer and chat template)")
     parser.add_argument("--prompts", type=int, default=24)
     parser.add_argument("--offset", type=int, default=200, help="first GSM8K prompt")
     parser.add_argument("--max-tokens", type=int, default=96)
@@ -50,12 +50,12 @@ def main() -> int:
     from sglang_rl.calibrate_cpu import gsm8k_prompts
     from sglang_rl.fingerprint.sampling import combined_z
 
-    prompts = gsm8k_prompts(AutoTokenizer.from_pretrained(args.model), args.prompts, args.offset)
+    prompts = gsm8k_prompts(AutoTokenizer.from_pretrained(args.model_path), args.prompts, args.offset)
     print("| temperature | responses | Z per response (min .. max) | rejected per response | worker Z |")
     print("|---|---|---|---|---|")
     for temperature in args.temperatures:
         with ThreadPoolExecutor(8) as pool:
-            reports = list(pool.map(lambda p: check(args.url.rstrip("/"), p, temperature, args.max_tokens), prompts))
+            reports = list(pool.map(lambda p: check(args.server.rstrip("/"), p, temperature, args.max_tokens), prompts))
         zs = [r["sampling_z"] for r in reports]
         worker = combined_z(zs, [r["sampling_checked"] for r in reports])
         rejected = sum(not r["sampling_consistent"] for r in reports)

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Verify a saved, fingerprinted response against a verifier server.
 
-    python toploc-scripts/verify_response.py response.json --url http://verifier:30000
-    python toploc-scripts/verify_response.py chat.json --messages request.json --form chat --url ...
+    python toploc-scripts/verify_response.py response.json --server http://verifier:30000
+    python toploc-scripts/verify_response.py chat.json --messages request.json --form chat --server ...
 
 The response file is what a server started with --toploc-verification returned: an OpenAI chat
 completion, an OpenAI text completion, or a /generate response. With input_ids and output_ids in
@@ -41,7 +41,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         description="Verify a saved TOPLOC-fingerprinted response against a verifier server."
     )
     parser.add_argument("response", type=Path, help="saved response JSON file")
-    parser.add_argument("--url", required=True, help="verifier base URL, e.g. http://127.0.0.1:30000")
+    parser.add_argument("--server", required=True, help="verifier base URL, e.g. http://127.0.0.1:30000")
     parser.add_argument("--messages", type=Path,
                         help="JSON file with the original chat messages (list, or request body)")
     parser.add_argument("--form", choices=["auto", "token", "chat", "both"], default="auto",
@@ -50,7 +50,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="where the token form goes: /v1/completions (default) or /generate")
     parser.add_argument("--choice", type=int, default=0,
                         help="which choice (or /generate batch item) to verify (default 0)")
-    parser.add_argument("--model", help="model name for the OpenAI endpoints (default: from the "
+    parser.add_argument("--served-model-name", help="model name for the OpenAI endpoints (default: from the "
                         "response, else the verifier's /v1/models)")
     parser.add_argument("--expect-greedy", action="store_true",
                         help="also require every response token to be the model's argmax "
@@ -61,12 +61,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--timeout", type=float, default=600, help="HTTP timeout in seconds")
     parser.add_argument("--json", action="store_true", help="print the raw results as JSON only")
     args = parser.parse_args(argv)
-    url = args.url.rstrip("/")
+    url = args.server.rstrip("/")
 
     try:
         gen = tc.parse_generation(_load_json(args.response, "response"), args.choice)
         messages = tc.load_messages(_load_json(args.messages, "messages")) if args.messages else None
-        model = args.model or gen.model
+        model = args.served_model_name or gen.model
         if model is None and gen.kind != "generate":
             model = tc.served_model(url)
         endpoint = tc.GENERATE_ENDPOINT if args.token_endpoint == "generate" else tc.COMPLETIONS_ENDPOINT

@@ -1,95 +1,12 @@
 #!/usr/bin/env python
-"""Judge workers from their saved verification results: accept, undecided, suspect or reject.
+"""Judge workers from their saved verification results (the same as `sglang-rl evidence`).
 
     python toploc-scripts/worker_evidence.py --calibration cal.json results.jsonl [more ...]
-
-Each input file holds verification results, as JSON lines or one JSON document: a result dict
-(the parsed ``toploc_verification_fingerprint_validation_result``), the list that
-``verify_response.py --json`` prints, or ``{"worker": NAME, "result": {...}}``. Results without a
-worker name belong to the worker named after their file. Results are taken in file order; each
-worker's running verdict is printed per result (``--quiet``: only the final line per worker).
-
-The test is ``sglang_rl.fingerprint.evidence.WorkerEvidence`` with the calibration file's bounds
-and score histograms (written by ``python -m sglang_rl.calibrate``); its false-accusation rate on
-honest workers is at most alpha * (1 + N * floor) over N responses. Needs the sglang_rl package.
-Exits 0 if no worker is rejected, 1 if one is, 2 on a usage error.
 """
 
-from __future__ import annotations
-
-import argparse
-import json
 import sys
-from collections.abc import Iterator
-from pathlib import Path
-from typing import Any, Optional
 
-from sglang_rl.fingerprint.calibration import CalibrationError, load_calibration
-from sglang_rl.fingerprint.evidence import REJECT, EvidencePolicy, WorkerEvidence
-
-
-def _results(item: Any, default_worker: str) -> Iterator[tuple[str, dict]]:
-    """(worker, result dict) pairs inside one parsed JSON value."""
-    if isinstance(item, list):
-        for element in item:
-            yield from _results(element, default_worker)
-    elif isinstance(item, dict) and isinstance(item.get("result"), (dict, str)):
-        result = item["result"]
-        yield str(item.get("worker", default_worker)), json.loads(result) if isinstance(result, str) else result
-    elif isinstance(item, dict) and ("chunks" in item or "error" in item):
-        yield default_worker, item
-    else:
-        raise ValueError(f"not a verification result: {json.dumps(item)[:120]}")
-
-
-def read_results(path: Path) -> Iterator[tuple[str, dict]]:
-    """All (worker, result) pairs of a file, in order (one JSON document, or JSON lines)."""
-    text = path.read_text()
-    try:
-        values = [json.loads(text)]
-    except json.JSONDecodeError:
-        values = [json.loads(line) for line in text.splitlines() if line.strip()]
-    for value in values:
-        yield from _results(value, path.stem)
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description="Running worker verdicts from saved verification results.")
-    parser.add_argument("results", type=Path, nargs="+", help="files of verification results")
-    parser.add_argument("--calibration", required=True, type=Path, help="calibration file of the model")
-    parser.add_argument("--alpha", type=float, default=1e-3, help="false-accusation level (default 1e-3)")
-    parser.add_argument("--prior", type=float, default=0.5, help="prior probability that a worker cheats")
-    parser.add_argument("--quiet", action="store_true", help="print only the final verdict per worker")
-    parser.add_argument("--json", action="store_true", help="print the final states as JSON")
-    args = parser.parse_args(argv)
-
-    try:
-        calibration = load_calibration(args.calibration)
-        policy = EvidencePolicy(false_accusation_rate=args.alpha, suspect_level=max(0.05, args.alpha))
-        workers: dict[str, WorkerEvidence] = {}
-        for path in args.results:
-            for name, result in read_results(path):
-                if name not in workers:
-                    workers[name] = WorkerEvidence.from_calibration(calibration, policy, args.prior)
-                w = workers[name]
-                verdict = w.add_report(result)
-                if not args.quiet and not args.json:
-                    print(f"{name}: response {w.responses + w.errors}: verified={result.get('verified')} "
-                          f"log-evidence {w.statistic:.2f} -> {verdict}")
-    except (CalibrationError, OSError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    states = {name: w.state() for name, w in workers.items()}
-    if args.json:
-        print(json.dumps(states, indent=2))
-    else:
-        for name, s in states.items():
-            print(f"{name}: {s['verdict'].upper()} after {s['responses']} responses "
-                  f"({s['failed_responses']} failed, {s['errors']} errors), log-evidence "
-                  f"{s['log_evidence']:.2f} (reject at {s['reject_at_log_evidence']:.2f}), "
-                  f"P(cheat) {s['cheat_probability']:.3g}")
-    return 1 if any(s["verdict"] == REJECT for s in states.values()) else 0
-
+from sglang_rl.worker_evidence import main
 
 if __name__ == "__main__":
     sys.exit(main())

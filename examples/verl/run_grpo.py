@@ -13,7 +13,7 @@ the trainer (`sglang_rl_sync`, verl's sync trainer) also logs `cotrain/*` (round
 policy version).
 
     python examples/verl/prepare_gsm8k.py --out data/gsm8k
-    python -m sglang_rl.drafter init --target MODEL --out drafters/d0
+    sglang-rl drafter init --model-path MODEL --out drafters/d0
     python examples/verl/run_grpo.py --arm cotrain --model-path MODEL --drafter-path drafters/d0 \\
         --data-dir data/gsm8k --steps 30 [hydra overrides ...]
 """
@@ -106,7 +106,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--gpus", type=int, default=2)
     parser.add_argument("--rollout-sample-dir", help="write a random 5%% of the rollouts here for an audit "
-                        "(python -m sglang_rl.integrations.verl.audit)")
+                        "(sglang-rl audit)")
     parser.add_argument("--print", action="store_true", help="print verl's command instead of running it")
     args, extra = parser.parse_known_args()
     try:

@@ -1,6 +1,6 @@
 """Calibrate the TOPLOC thresholds for one model and measure what they catch.
 
-    python -m sglang_rl.calibrate --model MODEL_DIR --out calibration.json [--plot roc.png]
+    sglang-rl calibrate --model-path MODEL_DIR --out calibration.json [--plot roc.png]
 
 Measures on the CPU with transformers (``sglang_rl.calibrate_cpu``): honest recomputation noise
 (decode vs prefill, batch sizes, chunked prefill) and cheats (bf16 instead of float32, weight
@@ -16,7 +16,6 @@ even-numbered prompts and evaluated on the odd ones (the file itself is fitted o
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import asdict
 import json
 import math
@@ -27,6 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from sglang_rl.cli import ArgumentParser
 from sglang_rl.fingerprint.calibration import (
     BOUND_NAMES,
     MIN_SAMPLES,
@@ -283,8 +283,8 @@ def _print_report(cal: Calibration, results: dict[str, Any]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True, help="model folder (transformers format)")
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-path", required=True, help="model folder (transformers format)")
     parser.add_argument("--out", required=True, help="calibration file to write")
     parser.add_argument("--name", help="model name stored in the file (default: the folder name)")
     parser.add_argument("--prompts", type=int, default=32, help="GSM8K prompts (default 32)")
@@ -314,6 +314,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from sglang_rl.calibrate_cpu import measure, read_records, write_records
 
+    if not args.no_measure and not (Path(args.model_path) / "config.json").is_file():
+        parser.error(f"--model-path {args.model_path}: not a model folder (no config.json)")
     records = read_records(args.stats)
     if not args.no_measure:
         import torch
@@ -321,7 +323,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.threads:
             torch.set_num_threads(args.threads)
         records += measure(
-            args.model, prompts=args.prompts, max_tokens=args.max_tokens, batch=args.batch,
+            args.model_path, prompts=args.prompts, max_tokens=args.max_tokens, batch=args.batch,
             prefill_chunk=args.prefill_chunk, noise=args.noise, bf16=not args.no_bf16,
             other_models=args.other_model, topk=args.topk, seed=args.seed,
         )
@@ -330,7 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.save_stats:
         write_records(records, args.save_stats)
-    name = args.name or Path(args.model).name
+    name = args.name or Path(args.model_path).name
     policy = fit_bounds(records, args.budget, source=name)
     hist = score_histogram(records, policy)
     defaults = ThresholdPolicy(Thresholds.for_topk(args.topk))
@@ -341,14 +343,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     cal = Calibration(
         model_name=name,
-        model_path=str(args.model),
+        model_path=str(args.model_path),
         topk=args.topk,
         chunk_size=CHUNK,
         false_rejection_budget=args.budget,
         full=policy.full,
         short=policy.short,
         summary={
-            "command": "python -m sglang_rl.calibrate " + " ".join(sys.argv[1:] if argv is None else argv),
+            "command": "sglang-rl calibrate " + " ".join(sys.argv[1:] if argv is None else argv),
             "configs": summary(records, policy, defaults),
             "held_out": {
                 kind: {k: v for k, v in res.items() if k != "roc"} for kind, res in results.items()

@@ -1,8 +1,8 @@
 """Collect calibration records from running servers (the way to feed GPU measurements in).
 
-    python -m sglang_rl.calibrate_server --generator URL --verifier URL --model MODEL_DIR \\
+    sglang-rl calibrate-server --generator URL --verifier URL --model-path MODEL_DIR \\
         --config fp8_weights --cheat --out fp8.jsonl
-    python -m sglang_rl.calibrate --model MODEL_DIR --out cal.json --stats fp8.jsonl --stats honest.jsonl
+    sglang-rl calibrate --model-path MODEL_DIR --out cal.json --stats fp8.jsonl --stats honest.jsonl
 
 The generator server (``--toploc-verification``, any configuration: CUDA graphs, batch size,
 TP, attention backend, or a cheat such as ``--quantization fp8``) answers GSM8K prompts greedily;
@@ -15,11 +15,12 @@ standard library and the model's tokenizer.
 
 from __future__ import annotations
 
-import argparse
 import sys
+from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence
 
+from sglang_rl.cli import ArgumentParser
 from sglang_rl.calibrate_cpu import gsm8k_prompts, write_records
 from sglang_rl.verifier_client import post_generate, verify_response
 
@@ -51,10 +52,10 @@ def collect(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Collect calibration records from a generator and a verifier server.")
+    parser = ArgumentParser(description="Collect calibration records from a generator and a verifier server.")
     parser.add_argument("--generator", required=True, help="generator server URL")
     parser.add_argument("--verifier", required=True, help="verifier server URL (the agreed model)")
-    parser.add_argument("--model", required=True, help="model folder (for the tokenizer and chat template)")
+    parser.add_argument("--model-path", required=True, help="model folder (for the tokenizer and chat template)")
     parser.add_argument("--config", required=True, help="name of the generator's configuration")
     parser.add_argument("--cheat", action="store_true", help="the generator is a cheat (default: honest)")
     parser.add_argument("--prompts", type=int, default=64)
@@ -63,9 +64,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=16, help="requests in flight")
     parser.add_argument("--out", required=True, help="JSON-lines file to write")
     args = parser.parse_args(argv)
+    if not (Path(args.model_path) / "config.json").is_file():
+        parser.error(f"--model-path {args.model_path}: not a model folder (no config.json)")
     from transformers import AutoTokenizer
 
-    prompts = gsm8k_prompts(AutoTokenizer.from_pretrained(args.model), args.prompts, args.offset)
+    prompts = gsm8k_prompts(AutoTokenizer.from_pretrained(args.model_path), args.prompts, args.offset)
     records = collect(args.generator.rstrip("/"), args.verifier.rstrip("/"), prompts, args.config,
                       not args.cheat, args.max_tokens, args.batch)
     write_records(records, args.out)

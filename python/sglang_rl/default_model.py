@@ -11,6 +11,9 @@ import os
 import shutil
 import sys
 from pathlib import Path
+from typing import Optional, Sequence
+
+from sglang_rl.cli import ArgumentParser
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -87,6 +90,12 @@ def ensure_default_model() -> Path:
     return target
 
 
-if __name__ == "__main__":
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """`sglang-rl model`: print the default model's folder (SGLANG_RL_MODEL_DIR), building it if needed."""
+    ArgumentParser(description=main.__doc__).parse_args(argv)
     print(ensure_default_model())
-    sys.exit(0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

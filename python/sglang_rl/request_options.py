@@ -38,6 +38,10 @@ HIDDEN_STATES_ROWS_FIELD = "hidden_states_rows"
 HIDDEN_STATES_POSITIONS_FIELD = "hidden_states_positions"
 HIDDEN_STATES_ERROR_FIELD = "hidden_states_error"
 
+# Response fields of TOPLOC verification: a response's fingerprints, and a verification's result.
+FINGERPRINTS_FIELD = "toploc_verification_fingerprints"
+RESULT_FIELD = "toploc_verification_fingerprint_validation_result"
+
 # Internal keys set by the API layer, never by users.
 RESPONSE_START_KEY = "toploc_response_start"
 

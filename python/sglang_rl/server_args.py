@@ -45,7 +45,7 @@ class RLServerArgs(ServerArgs):
     ] = 4.0
     toploc_verification_calibration: A[
         Optional[str],
-        "sglang-rl: calibration file of the served model (written by python -m sglang_rl.calibrate): "
+        "sglang-rl: calibration file of the served model (written by sglang-rl calibrate): "
         "its per-chunk bounds, with separate ones for a short final chunk, replace the uncalibrated "
         "defaults and the --toploc-verification-max-* flags.",
     ] = None
@@ -149,7 +149,7 @@ class RLServerArgs(ServerArgs):
             raise ValueError(
                 "--drafter-cotrain trains an EAGLE-1/2 drafter: start the server with "
                 "--speculative-algorithm EAGLE --speculative-draft-model-path DIR "
-                "(make one with `python -m sglang_rl.drafter init --target MODEL --out DIR`)"
+                "(make one with `sglang-rl drafter init --model-path MODEL --out DIR`)"
             )
         if self.tp_size != 1 or self.dp_size != 1 or self.pp_size != 1:
             raise ValueError("--drafter-cotrain supports one GPU per server (tp/dp/pp size 1) for now")

@@ -48,7 +48,7 @@ def gsm8k() -> list[list[dict]]:
 
 
 def init_drafter(model_path: str, out: Path) -> Path:
-    subprocess.run([sys.executable, "-m", "sglang_rl.drafter", "init", "--target", model_path, "--out", str(out)],
+    subprocess.run([sys.executable, "-m", "sglang_rl.drafter", "init", "--model-path", model_path, "--out", str(out)],
                    check=True, capture_output=True, text=True)
     return out
 

@@ -294,7 +294,7 @@ def test_calibrate_cli_from_stat_files(tmp_path: Path, capsys: pytest.CaptureFix
     stats = tmp_path / "records.jsonl"
     stats.write_text("".join(json.dumps(r) + "\n" for r in synthetic_records()))
     out = tmp_path / "cal.json"
-    code = main(["--model", "/models/tiny", "--out", str(out), "--stats", str(stats), "--no-measure",
+    code = main(["--model-path", "/models/tiny", "--out", str(out), "--stats", str(stats), "--no-measure",
                  "--workers", "50", "--budget", "0.01"])
     assert code == 0
     cal = load_calibration(out)

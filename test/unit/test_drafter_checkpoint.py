@@ -204,7 +204,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 def test_cli_init_writes_a_loadable_deterministic_folder(tmp_path: Path) -> None:
     target = write_target(tmp_path / "target", "qwen2")
     for name, seed in (("a", "1"), ("b", "1"), ("c", "2")):
-        res = run_cli("init", "--target", str(target), "--out", str(tmp_path / name), "--seed", seed, "--init", "normal")
+        res = run_cli("init", "--model-path", str(target), "--out", str(tmp_path / name), "--seed", seed, "--init", "normal")
         assert res.returncode == 0, res.stderr
         assert "Qwen2ForCausalLMEagle" in res.stdout
     a, b, c = (read_draft_weights(tmp_path / n) for n in "abc")
@@ -213,9 +213,9 @@ def test_cli_init_writes_a_loadable_deterministic_folder(tmp_path: Path) -> None
     assert a["fc.weight"].dtype == torch.bfloat16
     loaded = load_drafter(tmp_path / "a", target)
     assert torch.equal(loaded.state_dict()["fc.weight"], a["fc.weight"].float())
-    res = run_cli("init", "--target", str(target), "--out", str(tmp_path / "d"), "--dtype", "float32")
+    res = run_cli("init", "--model-path", str(target), "--out", str(tmp_path / "d"), "--dtype", "float32")
     assert res.returncode == 0 and read_draft_weights(tmp_path / "d")["fc.weight"].dtype == torch.float32
-    res = run_cli("init", "--target", str(tmp_path / "missing"), "--out", str(tmp_path / "e"))
+    res = run_cli("init", "--model-path", str(tmp_path / "missing"), "--out", str(tmp_path / "e"))
     assert res.returncode == 2 and "error:" in res.stderr and "config.json" in res.stderr
 
 

@@ -3,7 +3,6 @@ than the stated rate, cheats are caught within a few responses, the CLI reads sa
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import random
@@ -175,11 +174,7 @@ def test_worker_evidence_script(tmp_path: Path, capsys: pytest.CaptureFixture) -
     verify_json = tmp_path / "lone.json"
     verify_json.write_text(json.dumps([{"form": "token", "endpoint": "/v1/completions",
                                         "result": {"verified": True, "chunks": [chunk(0)]}}]))
-    spec = importlib.util.spec_from_file_location(
-        "worker_evidence", Path(__file__).resolve().parents[2] / "toploc-scripts" / "worker_evidence.py"
-    )
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    from sglang_rl import worker_evidence as script  # `sglang-rl evidence`
     assert script.main(["--calibration", str(cal_path), "--quiet", str(results), str(verify_json)]) == 1
     out = capsys.readouterr().out
     assert "cheat-w: REJECT after" in out

@@ -43,13 +43,11 @@ from sglang_rl.fingerprint import (
 from sglang_rl.fingerprint.device_prover import DeviceProver, LaunchedProofs, device_index
 from sglang_rl.fingerprint.calibration import UNCALIBRATED, ThresholdPolicy, cached_policy
 from sglang_rl.fingerprint.row_ring import RowRing
-from sglang_rl.request_options import RESPONSE_START_KEY
+from sglang_rl.request_options import FINGERPRINTS_FIELD, RESPONSE_START_KEY, RESULT_FIELD  # noqa: F401 - re-exported
 
 logger = logging.getLogger(__name__)
 
 CHUNK_ROWS = 32
-FINGERPRINTS_FIELD = "toploc_verification_fingerprints"
-RESULT_FIELD = "toploc_verification_fingerprint_validation_result"
 
 _executor: Optional[ThreadPoolExecutor] = None
 

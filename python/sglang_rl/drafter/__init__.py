@@ -11,7 +11,7 @@
 * :func:`init_drafter`, :func:`save_drafter`, :func:`load_drafter`, :func:`sglang_weights`
   (checkpoint.py): folders sglang loads with ``--speculative-draft-model-path``.
 * :func:`greedy_draft_chain` (chain.py): sglang's ``topk = 1`` chain drafting.
-* ``python -m sglang_rl.drafter init --target DIR --out DIR`` (cli.py).
+* ``sglang-rl drafter init --model-path DIR --out DIR`` (cli.py).
 """
 
 from sglang_rl.drafter.batch import build_eagle_batch

@@ -1,6 +1,6 @@
 """Per-model calibration of the TOPLOC thresholds: the file format, its validation and the rule.
 
-A calibration file is JSON written by ``python -m sglang_rl.calibrate``. It names the model it was
+A calibration file is JSON written by ``sglang-rl calibrate``. It names the model it was
 measured on, the fingerprint parameters (topk, chunk size), the per-chunk bounds for full chunks
 and for a short final chunk (fewer rows than the chunk size: its top-k is taken over fewer values,
 so its noise differs), the per-response false-rejection budget the bounds were chosen for, a

@@ -5,13 +5,12 @@ at random, and checks each fingerprint in the exact-token form on `--server`: a 
 with `--toploc-verification` serving the agreed model (with `--toploc-verification-calibration`
 for calibrated bounds). Prints one line per failure and a summary; exits 1 if any failed.
 
-    python -m sglang_rl.integrations.verl.audit --server http://verifier:30000 \\
+    sglang-rl audit --server http://verifier:30000 \\
         --sample-dir /path/to/folder --count 256
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import sys
@@ -20,7 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from sglang_rl.adapters.toploc import FINGERPRINTS_FIELD
+from sglang_rl.cli import ArgumentParser
+from sglang_rl.request_options import FINGERPRINTS_FIELD
 from sglang_rl.verifier_client import verify_response
 
 
@@ -52,7 +52,7 @@ def audit(server: str, rollouts: list[dict], workers: int = 8) -> list[tuple[dic
 
 
 def main(argv: Any = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--server", required=True, help="verifier URL")
     parser.add_argument("--sample-dir", type=Path, required=True, help="SGLANG_RL_ROLLOUT_SAMPLE_DIR of the run")
     parser.add_argument("--count", type=int, default=256, help="rollouts to verify (all if fewer were written)")

@@ -20,7 +20,7 @@ import threading
 from pathlib import Path
 from typing import Optional, Sequence
 
-from sglang_rl.adapters.toploc import FINGERPRINTS_FIELD
+from sglang_rl.request_options import FINGERPRINTS_FIELD
 
 DIR_ENV = "SGLANG_RL_ROLLOUT_SAMPLE_DIR"
 RATE_ENV = "SGLANG_RL_ROLLOUT_SAMPLE_RATE"
