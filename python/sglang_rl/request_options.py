@@ -1,4 +1,8 @@
-"""Per-request fields of sglang-rl and how they travel to the scheduler.
+"""Per-request fields of sglang-rl, their validation, and how they travel to the scheduler.
+
+Every field is validated here, once (the hidden-state values by the core's
+`HiddenStatesOptions.from_request`, called from `validate_hidden_states`); a bad value raises
+`RequestOptionError`, a ValueError that the API turns into a 400 with the reason.
 
 Users set them as OpenAI extra fields, as top-level `/generate` fields, as `sgl.Engine.generate`
 keyword arguments, or inside `sampling_params`. Whatever the entry, they are validated once in
@@ -48,6 +52,35 @@ RESPONSE_START_KEY = "toploc_response_start"
 
 class RequestOptionError(ValueError):
     """A sglang-rl request field has a bad value; the message says which and why."""
+
+
+# Speculative algorithms whose verify-step rows follow the committed tokens (adapters/speculative.py).
+SUPPORTED = ("EAGLE", "NEXTN", "NGRAM")
+_REFUSALS = {
+    "EAGLE3": "an EAGLE3 target captures auxiliary layers for its draft, not the last layer",
+    "STANDALONE": "a STANDALONE target does not capture rows in its prefill",
+}
+
+
+def unsupported_reason(algorithm: Optional[str]) -> Optional[str]:
+    """Why a server's speculative rows cannot follow the committed tokens, or None when they do
+    (also None without speculative decoding)."""
+    if not algorithm or str(algorithm).upper() in SUPPORTED:
+        return None
+    name = str(algorithm).upper()
+    reason = _REFUSALS.get(name, "its verify step's rows are not known to follow the committed tokens")
+    return f"{reason} (supported: {', '.join(SUPPORTED)})"
+
+
+def check_rows_supported(algorithm: Optional[str]) -> None:
+    """Refuse hidden-state fields on a server whose speculative rows cannot follow the committed
+    tokens (None: no speculative decoding)."""
+    reason = unsupported_reason(algorithm)
+    if reason is not None:
+        raise RequestOptionError(
+            f"hidden_states_* fields are not supported with --speculative-algorithm "
+            f"{str(algorithm).upper()}: {reason}"
+        )
 
 
 def pop_fields(source: dict) -> dict:
@@ -112,6 +145,72 @@ def validate_grammar(params: dict) -> None:
             raise RequestOptionError(f"{name} must be a string, got {type(value).__name__}")
         if "\x00" in value or "\\u0000" in value:
             raise RequestOptionError(f"{name} must not contain a NUL character")
+
+
+def validate_hidden_states(fields: dict, requested: Any, server_args: Any, in_process: bool) -> Optional[Any]:
+    """The hidden-state fields of a request (`requested`: its `return_hidden_states`), as
+    `HiddenStatesOptions` when the request wants rows (None when not): the values are checked by
+    the core's parser, the server's support here."""
+    from sglang_rl.hidden_states import HiddenStatesOptions
+
+    opts = HiddenStatesOptions.from_request(requested, **fields, allow_tensor_format=in_process)
+    if not opts.enabled:
+        return None
+    allowed = getattr(server_args, "return_hidden_states_mode", None)
+    if allowed is None or (opts.mode.value == "full" and allowed != "full"):
+        raise RequestOptionError(
+            f"return_hidden_states={requested!r} needs a server started with "
+            "--enable-return-hidden-states (or --return-hidden-states-mode full)"
+        )
+    check_rows_supported(getattr(server_args, "speculative_algorithm", None))
+    return opts
+
+
+def validate_fingerprint_to_validate(value: str, server_args: Any) -> Any:
+    """The decoded fingerprint of a verification request (an untrusted proof: checked here before
+    anything reaches toploc's verifier)."""
+    from sglang_rl.fingerprint import FingerprintError, decode_fingerprint
+
+    try:
+        return decode_fingerprint(value, expected_topk=server_args.toploc_verification_topk)
+    except FingerprintError as exc:
+        raise RequestOptionError(f"invalid toploc_verification_fingerprint_to_validate: {exc}") from exc
+
+
+def validate_verification_span(n_rows: int, params: dict, prompt_len: Optional[int],
+                               response_start: Optional[int]) -> Optional[int]:
+    """Check that a verification request is one prefill whose response span holds the
+    fingerprint's `n_rows` tokens; return where the response starts (None when unknown)."""
+    if params.get("max_new_tokens") not in (0,):
+        raise RequestOptionError(
+            "a verification request must be prefill-only: set max_tokens=0 (max_new_tokens=0)"
+        )
+    if response_start is not None and prompt_len is not None and prompt_len - response_start not in (n_rows, n_rows - 1):
+        raise RequestOptionError(
+            f"the reply re-tokenizes to {prompt_len - response_start} tokens but the fingerprint covers "
+            f"{n_rows} generated tokens, so its rows cannot be aligned; verify with the exact-token "
+            "form (input_ids + output_ids, from return_input_ids / return_output_ids)"
+        )
+    if response_start is None and prompt_len is not None:
+        if prompt_len < n_rows + 1:
+            raise RequestOptionError(
+                f"the fingerprint covers {n_rows} response tokens but the prompt has only "
+                f"{prompt_len} tokens: send input_ids + output_ids"
+            )
+        response_start = prompt_len - n_rows
+    return response_start
+
+
+def validate_combination(entry: dict, kcbs_entry: dict, wants_rows: bool) -> None:
+    """Fields that each pass alone but not together."""
+    if not kcbs_entry:
+        return
+    if "toploc_verification_fingerprint_to_validate" in entry:
+        raise RequestOptionError("a k-CBS request cannot also be a verification request")
+    if wants_rows:
+        # the candidates are assembled from beam requests: there is no single row sequence
+        raise RequestOptionError("k-CBS returns candidates, not hidden-state rows: send the rows "
+                                 "request separately")
 
 
 KCBS_STREAM_ERROR = "k-CBS does not support streaming: set stream=false"

@@ -133,7 +133,7 @@ class RLServerArgs(ServerArgs):
     def _check_toploc_speculative(self) -> None:
         """Fingerprints follow a speculative step's committed run of rows for the algorithms whose
         rows are known to be in committed order; refuse the others with the reason."""
-        from sglang_rl.adapters.speculative import unsupported_reason
+        from sglang_rl.request_options import unsupported_reason
 
         reason = unsupported_reason(self.speculative_algorithm)
         if reason is not None:

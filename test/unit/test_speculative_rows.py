@@ -10,8 +10,8 @@ import pytest
 import torch
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
 
-from sglang_rl.adapters.speculative import accepted_rows_to_front, check_rows_supported, prefill_rows_around
-from sglang_rl.request_options import RequestOptionError
+from sglang_rl.adapters.speculative import accepted_rows_to_front, prefill_rows_around
+from sglang_rl.request_options import RequestOptionError, check_rows_supported
 
 
 @pytest.mark.parametrize("algorithm", [None, "", "EAGLE", "NEXTN", "NGRAM", "eagle"])

@@ -16,13 +16,11 @@ from typing import Any, AsyncIterator, Callable, Optional
 from sglang.srt.managers.io_struct import GenerateReqInput
 
 from sglang_rl.adapters import hidden_states as hs_adapter
-from sglang_rl.adapters import rollout_records, speculative
+from sglang_rl.adapters import rollout_records
 from sglang_rl.adapters.kcbs import CANDIDATES_FIELD
 from sglang_rl.adapters import transport
 from sglang_rl.adapters.toploc import FINGERPRINTS_FIELD, RESULT_FIELD
-from sglang_rl.fingerprint import FingerprintError, decode_fingerprint
 from sglang_rl.fingerprint.sampling import DEFAULT_MAX_Z, TOP_N as SAMPLING_TOP_N
-from sglang_rl.hidden_states import HiddenStatesOptions
 from sglang_rl.request_options import (
     ALL_FIELDS,
     HIDDEN_STATES_FIELDS,
@@ -32,9 +30,13 @@ from sglang_rl.request_options import (
     RESPONSE_START_KEY,
     RequestOptionError,
     pop_fields,
+    validate_combination,
     validate_fields,
+    validate_fingerprint_to_validate,
     validate_grammar,
+    validate_hidden_states,
     validate_kcbs,
+    validate_verification_span,
 )
 from sglang_rl.verification_report import finalize_report
 
@@ -215,14 +217,9 @@ def _prepare_item(obj: Any, item: Optional[int], params: dict, fields: dict, ser
     kcbs_fields = {k: fields.pop(k) for k in KCBS_FIELDS if k in fields}
     kcbs_entry = validate_kcbs(kcbs_fields, params, bool(obj.stream), server_args)
     entry = validate_fields(fields, server_args)
+    validate_combination(entry, kcbs_entry, bool(hs_entry))
     entry.update(hs_entry)
     if kcbs_entry:
-        if "toploc_verification_fingerprint_to_validate" in entry:
-            raise RequestOptionError("a k-CBS request cannot also be a verification request")
-        if hs_entry:
-            # the candidates are assembled from beam requests: there is no single row sequence
-            raise RequestOptionError("k-CBS returns candidates, not hidden-state rows: send the rows "
-                                     "request separately")
         _prepare_kcbs(plan, params, kcbs_entry)
         entry.update(kcbs_entry)
     if "toploc_verification_fingerprint_to_validate" in entry:
@@ -262,21 +259,14 @@ def _apply_plans(obj: Any, batch: Optional[int], plans: list[_ItemPlan]) -> None
 
 
 def _hidden_states_entry(plan: _ItemPlan, fields: dict, server_args: Any, in_process: bool) -> dict:
-    """Validate the hidden-state fields; a request that uses them leaves upstream's path."""
+    """The custom_params entry of the hidden-state fields; a request that uses them leaves
+    upstream's path."""
     hs_fields = {k: fields.pop(k) for k in HIDDEN_STATES_FIELDS if k in fields}
     if not hs_fields:
         return {}
-    requested = plan.return_hidden_states
-    opts = HiddenStatesOptions.from_request(requested, **hs_fields, allow_tensor_format=in_process)
-    if not opts.enabled:
+    opts = validate_hidden_states(hs_fields, plan.return_hidden_states, server_args, in_process)
+    if opts is None:
         return {}
-    allowed = getattr(server_args, "return_hidden_states_mode", None)
-    if allowed is None or (opts.mode.value == "full" and allowed != "full"):
-        raise RequestOptionError(
-            f"return_hidden_states={requested!r} needs a server started with "
-            "--enable-return-hidden-states (or --return-hidden-states-mode full)"
-        )
-    speculative.check_rows_supported(getattr(server_args, "speculative_algorithm", None))
     plan.return_hidden_states = False
     return hs_adapter.options_to_entry(opts)
 
@@ -284,33 +274,11 @@ def _hidden_states_entry(plan: _ItemPlan, fields: dict, server_args: Any, in_pro
 def _prepare_verification(plan: _ItemPlan, params: dict, entry: dict, internal: dict,
                           prompt_len: Optional[int], server_args: Any) -> None:
     """A verification request is one prefill; ask sglang for the log-probs of its response span."""
-    try:
-        fp = decode_fingerprint(
-            entry["toploc_verification_fingerprint_to_validate"],
-            expected_topk=server_args.toploc_verification_topk,
-        )
-    except FingerprintError as exc:
-        raise RequestOptionError(f"invalid toploc_verification_fingerprint_to_validate: {exc}") from exc
-    if params.get("max_new_tokens") not in (0,):
-        raise RequestOptionError(
-            "a verification request must be prefill-only: set max_tokens=0 (max_new_tokens=0)"
-        )
-    params["temperature"] = 1.0
-    start = internal.get(RESPONSE_START_KEY)
-    if start is not None and prompt_len is not None and prompt_len - start not in (fp.n_rows, fp.n_rows - 1):
-        raise RequestOptionError(
-            f"the reply re-tokenizes to {prompt_len - start} tokens but the fingerprint covers "
-            f"{fp.n_rows} generated tokens, so its rows cannot be aligned; verify with the exact-token "
-            "form (input_ids + output_ids, from return_input_ids / return_output_ids)"
-        )
-    if start is None and prompt_len is not None:
-        if prompt_len < fp.n_rows + 1:
-            raise RequestOptionError(
-                f"the fingerprint covers {fp.n_rows} response tokens but the prompt has only "
-                f"{prompt_len} tokens: send input_ids + output_ids"
-            )
-        start = prompt_len - fp.n_rows
+    fp = validate_fingerprint_to_validate(entry["toploc_verification_fingerprint_to_validate"], server_args)
+    start = validate_verification_span(fp.n_rows, params, prompt_len, internal.get(RESPONSE_START_KEY))
+    if start is not None:
         internal[RESPONSE_START_KEY] = start
+    params["temperature"] = 1.0
     plan.implicit_logprobs = not plan.return_logprob
     plan.return_logprob = True
     plan.logprob_start_len = max(start - 1, 0) if start is not None else 0

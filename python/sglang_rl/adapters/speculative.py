@@ -7,8 +7,9 @@ sits at the front of the request's block:
 * EAGLE / NEXTN: the worker moves the accepted path to the front itself;
 * NGRAM: it does not (its drafts form a tree with side branches), so `ngram_sample_around`
   does that move right after the verify step's sampling, when rows were captured.
-Fingerprints (TOPLOC) take the same runs. Other algorithms are refused: for hidden-state requests
-(`check_rows_supported`) and, with --toploc-verification, at start-up (`unsupported_reason`).
+Fingerprints (TOPLOC) take the same runs. Other algorithms are refused (request_options:
+`check_rows_supported` for hidden-state requests, `unsupported_reason` at start-up with
+--toploc-verification).
 """
 
 from __future__ import annotations
@@ -20,35 +21,6 @@ import torch
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 
 from sglang_rl.fingerprint.device_prover import device_index
-from sglang_rl.request_options import RequestOptionError
-
-SUPPORTED = ("EAGLE", "NEXTN", "NGRAM")
-_REFUSALS = {
-    "EAGLE3": "an EAGLE3 target captures auxiliary layers for its draft, not the last layer",
-    "STANDALONE": "a STANDALONE target does not capture rows in its prefill",
-}
-
-
-def unsupported_reason(algorithm: Optional[str]) -> Optional[str]:
-    """Why a server's speculative rows cannot follow the committed tokens, or None when they do
-    (also None without speculative decoding)."""
-    if not algorithm or str(algorithm).upper() in SUPPORTED:
-        return None
-    name = str(algorithm).upper()
-    reason = _REFUSALS.get(name, "its verify step's rows are not known to follow the committed tokens")
-    return f"{reason} (supported: {', '.join(SUPPORTED)})"
-
-
-def check_rows_supported(algorithm: Optional[str]) -> None:
-    """Refuse hidden-state fields on a server whose speculative rows cannot follow the committed
-    tokens (None: no speculative decoding)."""
-    reason = unsupported_reason(algorithm)
-    if reason is not None:
-        raise RequestOptionError(
-            f"hidden_states_* fields are not supported with --speculative-algorithm "
-            f"{str(algorithm).upper()}: {reason}"
-        )
-
 
 def accepted_rows_to_front(rows: torch.Tensor, accept_index: torch.Tensor, block: int) -> torch.Tensor:
     """Rows `[bs * block, H]` with each request's accepted rows moved to the front of its block.
