@@ -22,16 +22,17 @@ runs over its R processes, and `round_ratios` gives on/off of each adjacent pair
 geometric mean.
 
 `--paired` runs one TOPLOC process instead, whose timed runs alternate (off, on, off, on, ...):
-in an "off" run no request gets a fingerprint builder (the benchmark-only `paired` variant of
-`toploc_ablation/`, which must be on PYTHONPATH; the server-wide capture mode stays, which the
-ablation in docs/design.md, section 6, found costs nothing measurable). Drift between processes then
-cancels, and each shape's line gives on/off of every adjacent pair and their median:
+in an "off" run no request gets a fingerprint builder (the benchmark-only plugin in
+`toploc_paired/`, which this script puts on its Engine's path; the server-wide capture mode stays,
+which the ablation in docs/design.md, section 6, found costs nothing measurable). Drift between
+processes then cancels, and each shape's line gives on/off of every adjacent pair and their median:
 
-    PYTHONPATH=$PYTHONPATH:benchmark/toploc_ablation python benchmark/bench_toploc.py --eagle --paired ...
+    python benchmark/bench_toploc.py --eagle --paired ...
 
 With `--paired`, `--compare-clone` adds a third run to each pair (on, with each step's kept rows
 cloned rather than copied into the row ring), and `--profile-dir DIR` traces one more off and on
-run per shape with sglang's torch profiler (`scheduler_timing/trace_diff.py DIR/S-off DIR/S-on`).
+run per shape with sglang's torch profiler (DIR/S-off and DIR/S-on, for a trace viewer such as
+Perfetto).
 """
 
 from __future__ import annotations
@@ -114,6 +115,7 @@ def timed_shape(llm, shape: tuple[int, int, int | tuple[int, int]], runs: int, w
 
 
 PAIRED_FLAG = "/tmp/sglang-rl-bench-toploc-paired-off"
+PAIRED_PLUGIN = Path(__file__).resolve().parent / "toploc_paired"
 
 
 def _builders_on(on: bool) -> None:
@@ -131,14 +133,11 @@ def paired_shape(llm, text: str, pairs: int, profile_dir: str | None = None, clo
     took: off runs carry no fingerprint, on runs one per request. With `profile_dir`, one more
     off run and on run follow, each under sglang's torch profiler (CPU ops, CUDA runtime calls
     and kernels; no Python stacks, which would slow every call), traced into
-    `<profile_dir>/<shape>-<mode>/` for `scheduler_timing/trace_diff.py`. With `clone`, each
-    pair gets a third run, "clone": on, with each step's kept rows cloned instead of copied
-    into the row ring (the `.clone` flag of the ablation plugin's `paired` variant)."""
+    `<profile_dir>/<shape>-<mode>/`. With `clone`, each pair gets a third run, "clone": on,
+    with each step's kept rows cloned instead of copied into the row ring (the `.clone` flag
+    of `toploc_paired/`)."""
     shape = parse_shape(text)
-    label = Path(PAIRED_FLAG + ".label")  # which run this is, for the phase timing plugin
-    label.write_text("warmup")
     timed_shape(llm, shape, 0)  # untimed, as every mode's first batch
-    label.write_text(text)
     modes = ("off", "on", "clone") if clone else ("off", "on")
     rates: dict[str, list[float]] = {mode: [] for mode in modes}
     clone_flag = Path(PAIRED_FLAG + ".clone")
@@ -148,15 +147,13 @@ def paired_shape(llm, text: str, pairs: int, profile_dir: str | None = None, clo
                 _builders_on(mode != "off")
                 if mode == "clone":
                     clone_flag.touch()
-                    label.write_text(text + "/clone")
                 cell = timed_shape(llm, shape, 1, warm_up=False)
                 if mode == "clone":
                     clone_flag.unlink()
-                    label.write_text(text)
                 want = 0 if mode == "off" else shape[0]
                 if cell["fingerprinted"] != want:
                     raise SystemExit(f"--paired: a {mode} run fingerprinted {cell['fingerprinted']} of {shape[0]} "
-                                     "requests (is benchmark/toploc_ablation on PYTHONPATH?)")
+                                     "requests (did the toploc_paired plugin load?)")
                 rates[mode] += cell["rates"]
         for mode in ("off", "on") if profile_dir else ():
             _builders_on(mode == "on")
@@ -166,14 +163,16 @@ def paired_shape(llm, text: str, pairs: int, profile_dir: str | None = None, clo
             llm.stop_profile()
     finally:
         _builders_on(True)
-        label.unlink(missing_ok=True)
         clone_flag.unlink(missing_ok=True)
     return {**rates, "tokens_per_step": cell["tokens_per_step"]}
 
 
 def run_paired(args: argparse.Namespace) -> list[dict]:
-    """One TOPLOC process, its timed runs alternating between off and on (`paired_shape`)."""
-    os.environ["SGLANG_RL_TOPLOC_ABLATION"] = "paired"
+    """One TOPLOC process, its timed runs alternating between off and on (`paired_shape`). The
+    `toploc_paired/` plugin is found through sys.path (which the Engine's spawned processes
+    inherit) and PYTHONPATH (for any process started afresh)."""
+    sys.path.insert(0, str(PAIRED_PLUGIN))
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PAIRED_PLUGIN), os.environ.get("PYTHONPATH")]))
     os.environ["SGLANG_RL_TOPLOC_PAIRED_FLAG"] = PAIRED_FLAG
     if args.compare_clone:
         os.environ["SGLANG_RL_TOPLOC_PAIRED_CLONE"] = "1"
@@ -307,7 +306,7 @@ def main() -> None:
     p.add_argument("--paired", action="store_true",
                    help="one TOPLOC process whose timed runs alternate off/on (--timed-runs pairs per shape)")
     p.add_argument("--profile-dir", help="--paired: after each shape's pairs, trace one off and one on run "
-                   "with sglang's torch profiler into this folder (scheduler_timing/trace_diff.py reads it)")
+                   "with sglang's torch profiler into this folder")
     p.add_argument("--compare-clone", action="store_true", help="--paired: a third run per pair, on with "
                    "each step's kept rows cloned instead of copied into the row ring")
     p.add_argument("--one-mode", help=argparse.SUPPRESS)

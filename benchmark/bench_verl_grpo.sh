@@ -8,6 +8,7 @@
 #   seconds with benchmark/bench_cotrain.py, from the random-init drafter the co-training arm
 #   starts from), CALIBRATION (the verifier's calibration file), VERIFIER_ARGS (its other flags)
 set -euo pipefail
+if [ $# -lt 2 ] || [ "$1" = -h ] || [ "$1" = --help ]; then sed -n '2,9p' "$0" | cut -c3-; exit 0; fi
 cd "$(dirname "$0")/.."
 MODEL=$1 OUT=$2
 shift 2

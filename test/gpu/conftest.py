@@ -3,6 +3,8 @@ Skipped where torch sees no CUDA device; `make test` never collects this folder.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -13,3 +15,11 @@ def pytest_collection_modifyitems(config, items) -> None:
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> Path:
+    """The default model's tokenizer files (or SGLANG_RL_MODEL_DIR's folder)."""
+    from sglang_rl.default_model import ensure_default_model
+
+    return ensure_default_model()

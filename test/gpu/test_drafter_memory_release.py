@@ -15,7 +15,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -75,14 +74,6 @@ def _run(tmp_path: Path, tokenizer: Path, extra: dict) -> dict:
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-4000:]
     return json.loads(lines[-1][len("RESULT "):])
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Path:
-    """The default model's tokenizer files (or SGLANG_RL_MODEL_DIR's folder)."""
-    from sglang_rl.default_model import ensure_default_model
-
-    return ensure_default_model()
 
 
 def test_cotraining_server_keeps_its_draft_across_release(tmp_path: Path, tokenizer: Path) -> None:

@@ -40,7 +40,7 @@ def device_index(values: Sequence | np.ndarray, device: torch.device) -> torch.T
     less than half the time `torch.tensor` takes (~20 against ~55 us for 1024). The copy is made
     from the array's own (pageable) memory: CUDA stages such a copy before the call returns, with
     no device synchronisation, so the array may go at once; on an H100 host that took ~40 us
-    where page-locking it first and copying took ~90-105 (`bench_store_flush_host.py`)."""
+    where page-locking it first and copying took ~90-105."""
     host = torch.from_numpy(np.asarray(values, dtype=np.int64))
     if device.type == "cpu":
         return host

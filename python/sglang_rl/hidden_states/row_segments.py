@@ -193,7 +193,7 @@ def scratch_buffer(nbytes: int) -> memoryview:
 
     Reading every delivery into a new buffer paid for faulting its pages in and for releasing it
     again, on every request; on the 16-core H200 host, 64 deliveries in 20 threads then took as
-    long as in one (docs/design.md, section 8; benchmark/bench_row_path.py)."""
+    long as in one (docs/design.md, section 8)."""
     if nbytes > SCRATCH_MAX_BYTES:
         return memoryview(bytearray(nbytes))
     buf = getattr(_scratch, "buf", None)
