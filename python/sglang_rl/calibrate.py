@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from dataclasses import asdict
 import json
-import math
 import random
 import sys
 from collections import defaultdict

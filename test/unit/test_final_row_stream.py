@@ -23,6 +23,7 @@ from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
 from sglang_rl.adapters import hidden_states, scheduler, transport
+from sglang_rl.adapters.request_state import state_of
 from sglang_rl.hidden_states import HiddenStatesFormat, HiddenStatesMode, HiddenStatesOptions, HiddenStatesScope
 
 PROMPT = [1, 2, 3, 4]
@@ -48,7 +49,7 @@ def _request(scope: HiddenStatesScope, last_n: int | None) -> Req:
                                last_n=last_n, final_row=True)
     collector = hidden_states.RowCollector(opts, len(PROMPT), MAX_NEW)
     collector.add_prefill(_rows_at(range(len(PROMPT))), last_chunk=True)
-    setattr(req, scheduler.HS_ATTR, collector)
+    state_of(req).hidden_states = collector
     return req
 
 

@@ -17,7 +17,7 @@ import toploc
 import torch
 
 from sglang_rl.adapters import toploc as adapter
-from sglang_rl.adapters import transport
+from sglang_rl.adapters.request_state import peek, state_of
 from sglang_rl.fingerprint import FingerprintError, build_chunk_proofs, decode_fingerprint
 from sglang_rl.fingerprint.device_prover import DeviceProver
 from sglang_rl.fingerprint.row_ring import RowRing
@@ -264,7 +264,7 @@ def _finishing(n_tokens: int) -> SimpleNamespace:
 
 
 def posted_proofs(req: SimpleNamespace) -> list[bytes]:
-    fingerprint = getattr(req, transport._PENDING_ATTR)[adapter.FINGERPRINTS_FIELD][0]
+    fingerprint = state_of(req).pending_payload[adapter.FINGERPRINTS_FIELD][0]
     return list(decode_fingerprint(fingerprint, expected_topk=TOPK).proofs)
 
 
@@ -336,7 +336,7 @@ def test_finishing_never_waits_for_proofs_and_slots_stay_lent_until_they_are_bui
     try:
         assert adapter.finish_builders(list(zip(builders, reqs))) == reqs
         assert adapter.release_finished() == [] and adapter.holds_requests()
-        assert not any(hasattr(r, transport._PENDING_ATTR) for r in reqs)
+        assert not any(peek(r) and peek(r).pending_payload for r in reqs)
         assert pending.future is None  # the shared job was emptied and closed
         handed_out = {adapter._store.acquire(HIDDEN) for _ in range(200)}
         assert not handed_out & read_later
@@ -427,7 +427,7 @@ def test_random_traffic_gives_toploc_proofs_and_returns_every_slot(
         adapter.finish_builders(items)
         for r in ending:
             if r["abort"]:
-                assert not hasattr(r["req"], transport._PENDING_ATTR)
+                assert not (peek(r["req"]) and peek(r["req"]).pending_payload)
             else:
                 r["held_steps"] = 0
                 held.append(r)
@@ -438,7 +438,7 @@ def test_random_traffic_gives_toploc_proofs_and_returns_every_slot(
                 assert posted_proofs(r["req"]) == toploc_proofs(torch.cat(r["rows"])[: r["returned"]])
                 finished += 1
             else:
-                assert not hasattr(r["req"], transport._PENDING_ATTR)
+                assert not (peek(r["req"]) and peek(r["req"]).pending_payload)
                 r["held_steps"] += 1
                 assert r["held_steps"] <= finish_steps + 1, "a finished request waited past its job's deadline"
         held = [r for r in held if id(r["req"]) not in released]

@@ -13,7 +13,8 @@ import torch
 from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH
 from sglang.srt.managers.schedule_policy import AddReqResult
 
-from sglang_rl.adapters import kcbs, transport
+from sglang_rl.adapters import kcbs
+from sglang_rl.adapters.request_state import kcbs_beam_of, kcbs_search_of, state_of
 from sglang_rl.request_options import RequestOptionError, validate_kcbs
 
 VOCAB = 16
@@ -75,18 +76,18 @@ def sched(monkeypatch):
 def _parent(k=2, steps=3, rid="p1"):
     sp = SimpleNamespace(max_new_tokens=0, stop_token_ids=None, custom_params={})
     req = FakeReq(rid, "", [1, 2, 3], sp)
-    setattr(req, kcbs.PARENT_ATTR, kcbs.KcbsSearch(req, k, steps, False))
+    state_of(req).kcbs_search = kcbs.KcbsSearch(req, k, steps, False)
     return req
 
 
 def _start(sched, parent):
     parent.finish_with([-0.1, -2.5], [4, 5])
     assert kcbs.filter_outputs([parent]) == []  # held back
-    return getattr(parent, kcbs.PARENT_ATTR)
+    return kcbs_search_of(parent)
 
 
 def _children(sched):
-    return [r for r in sched.waiting_queue if hasattr(r, kcbs.CHILD_ATTR)]
+    return [r for r in sched.waiting_queue if kcbs_beam_of(r) is not None]
 
 
 L = 3  # prompt length of `_parent`
@@ -127,7 +128,7 @@ def test_forked_rows_hold_each_beams_tokens_and_every_slot_is_freed_once(sched, 
     parent = _parent(k=k, steps=steps)
     parent.finish_with([-0.1, -1.0, -2.5], [4, 5, 6])
     assert kcbs.filter_outputs([parent]) == []
-    search = getattr(parent, kcbs.PARENT_ATTR)
+    search = kcbs_search_of(parent)
     beams = _children(sched)
     assert [r.origin_input_ids for r in beams] == [[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 3, 6]]
     assert all(r.sampling_params.max_new_tokens == steps - 1 and r.sampling_params.ignore_eos
@@ -163,7 +164,7 @@ def test_forked_rows_hold_each_beams_tokens_and_every_slot_is_freed_once(sched, 
             r.kv_committed_len += 1
     assert search.step == steps or all(b.finished for b in search.beams)
     assert all(isinstance(r.to_finish, FINISH_LENGTH) for r in beams)
-    assert sched.streamed == [parent] and len(getattr(parent, transport._PENDING_ATTR)[kcbs.CANDIDATES_FIELD]) == k
+    assert sched.streamed == [parent] and len(state_of(parent).pending_payload[kcbs.CANDIDATES_FIELD]) == k
     freed = []
 
     def release(req, tree_cache):
@@ -213,7 +214,7 @@ def test_a_beam_finished_by_an_abort_ends_the_search(sched):
     a.finished_reason = FINISH_ABORT("running timeout", 503)
     kcbs.release_kv_cache_around(lambda req, tc: None, a, None)
     assert search.done and isinstance(parent.finished_reason, FINISH_ABORT)
-    assert list(parent.output_ids) == [] and not getattr(parent, transport._PENDING_ATTR, None)
+    assert list(parent.output_ids) == [] and not state_of(parent).pending_payload
     assert isinstance(b.to_finish, FINISH_ABORT) and not kcbs._active
 
 

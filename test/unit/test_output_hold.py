@@ -19,7 +19,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sglang_rl.adapters import scheduler, transport
+from sglang_rl.adapters import scheduler
+from sglang_rl.adapters.request_state import peek, state_of
 from sglang_rl.adapters import toploc as adapter
 from test_fingerprint_builder import HIDDEN, TOPK, posted_proofs, toploc_proofs
 
@@ -33,7 +34,7 @@ def _fed(name: str, n: int, gen: torch.Generator, **kw) -> tuple[SimpleNamespace
     req = SimpleNamespace(rid=name, finished_reason=None, output_ids_through_stop=[0] * n,
                           return_logprob=kw.get("logprob", False), is_retracted=False, done=kw.get("finished", True))
     req.finished = lambda r=req: r.done
-    setattr(req, scheduler.STATE_ATTR, builder)
+    state_of(req).fingerprint = builder
     return req, rows
 
 
@@ -67,7 +68,7 @@ def test_held_until_proven_never_streamed_early_then_released_with_log_probs() -
     try:
         out, flag = _streamed(scheduler.stream_output_before(streamer, [a, b, c], False), [a, b, c])
         assert out == [c] and flag is False  # the finishing step returned without any proof
-        assert adapter.holds_requests() and not hasattr(a, transport._PENDING_ATTR)
+        assert adapter.holds_requests() and not (peek(a) and peek(a).pending_payload)
         # the overlap schedule's next batch still lists the finished requests: not streamed there
         out, _ = _streamed(scheduler.stream_output_before(streamer, [a, b, c], False), [a, b, c])
         assert out == [c]

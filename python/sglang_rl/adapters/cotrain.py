@@ -27,6 +27,7 @@ import torch
 
 from sglang.srt.managers.io_struct import GetWeightsByNameReqInput, GetWeightsByNameReqOutput
 
+from sglang_rl.adapters.request_state import cotrain_rows_of, state_of
 from sglang_rl.drafter.cotrain import (
     CotrainConfig,
     RolloutSample,
@@ -39,8 +40,6 @@ from sglang_rl.hidden_states import HiddenStatesFormat, HiddenStatesMode, Hidden
 
 logger = logging.getLogger(__name__)
 
-ATTR = "_sglang_rl_cotrain"
-COUNTED_ATTR = "_sglang_rl_cotrain_counted"
 OPT_OUT_KEY = "cotrain_opt_out"
 STATS_NAME = "__sglang_rl_drafter_cotrain_stats__"
 
@@ -171,19 +170,20 @@ class CotrainRuntime:
 
     def attach(self, req: Any, options: dict) -> None:
         if not options.get(OPT_OUT_KEY):
-            setattr(req, ATTR, CotrainRows(len(req.origin_input_ids), self.window))
+            state_of(req).cotrain_rows = CotrainRows(len(req.origin_input_ids), self.window)
 
     def finished(self, req: Any) -> None:
         """Count the request's acceptance; post its sample unless it opted out or was aborted."""
         from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
-        if getattr(req, COUNTED_ATTR, False) or isinstance(req.finished_reason, FINISH_ABORT):
+        state = state_of(req)
+        if state.cotrain_counted or isinstance(req.finished_reason, FINISH_ABORT):
             return
-        setattr(req, COUNTED_ATTR, True)
+        state.cotrain_counted = True
         self.served_since_update = True
         steps = int(getattr(req, "spec_verify_ct", 0) or 0)
         tokens = len(req.output_ids_through_stop)
-        rows: Optional[CotrainRows] = getattr(req, ATTR, None)
+        rows: Optional[CotrainRows] = cotrain_rows_of(req)
         (self.held_out if rows is None else self.acceptance)[-1].add(tokens, steps)
         if rows is None or rows.rows.done:
             return

@@ -41,10 +41,9 @@ from sglang.srt.managers.schedule_policy import AddReqResult
 from sglang.srt.sampling.sampling_params import SamplingParams
 
 from sglang_rl.adapters import transport
+from sglang_rl.adapters.request_state import kcbs_beam_of, kcbs_search_of, state_of
 from sglang_rl.kcbs import kcbs_step
 
-PARENT_ATTR = "_sglang_rl_kcbs"
-CHILD_ATTR = "_sglang_rl_kcbs_child"
 CANDIDATES_FIELD = "kcbs_candidates"
 
 _scheduler: Any = None
@@ -215,7 +214,7 @@ def _spawn_beams(search: KcbsSearch, released: list) -> None:
         req = Req(f"{p.rid}{CHILD_RID_MARK}{b}", "", ids, sp, return_logprob=False, stream=False,
                   eos_token_ids=None, vocab_size=p.vocab_size)
         req.skip_radix_cache_insert = True  # its rows are the search's; only the prompt is cached
-        setattr(req, CHILD_ATTR, (search, b))
+        state_of(req).kcbs_beam = (search, b)
         search.beam_reqs.append(req)
     local = getattr(getattr(sched, "disaggregation_mode", None), "name", "NULL") == "NULL"
     for req in search.beam_reqs:
@@ -320,9 +319,9 @@ def filter_outputs(reqs: list) -> list:
     out = []
     ready: list[tuple[KcbsSearch, list[Top]]] = []
     for req in reqs:
-        if hasattr(req, CHILD_ATTR):
+        if kcbs_beam_of(req) is not None:
             continue
-        search = getattr(req, PARENT_ATTR, None)
+        search = kcbs_search_of(req)
         if search is not None and not search.done:
             if req.finished() and not search.started:
                 search.started = True
@@ -386,7 +385,7 @@ def _beam_groups(batch: Any) -> list[tuple[KcbsSearch, list[int]]]:
     search whose beams are not all here at one position ends (503): its step cannot be taken."""
     found: dict[int, tuple[KcbsSearch, dict[int, int]]] = {}
     for i, req in enumerate(batch.reqs):
-        tag = getattr(req, CHILD_ATTR, None)
+        tag = kcbs_beam_of(req)
         if tag is None or tag[0].done or req.finished():
             continue
         found.setdefault(id(tag[0]), (tag[0], {}))[1][tag[1]] = i
@@ -465,7 +464,7 @@ def release_kv_cache_around(original: Callable, req: Any, tree_cache: Any, *args
     deal the slots the beams allocated past the prompt back into their rows, each once, so that
     sglang's per-request free releases every slot exactly once. A beam released while its search
     runs (preempted by a retraction) ends the search."""
-    tag = getattr(req, CHILD_ATTR, None)
+    tag = kcbs_beam_of(req)
     if tag is None:
         return original(req, tree_cache, *args, **kwargs)
     search = tag[0]
@@ -497,7 +496,7 @@ def add_one_req_around(original: Callable, adder: Any, req: Any, *args: Any, **k
     """AROUND PrefillAdder.add_one_req: the beams of a search enter a batch together. At the
     first beam, check that the whole group fits this batch (request slots, tokens); if not, stop
     adding here, and the group waits for the next batch."""
-    tag = getattr(req, CHILD_ATTR, None)
+    tag = kcbs_beam_of(req)
     if tag is None:
         return original(adder, req, *args, **kwargs)
     search = tag[0]
@@ -526,7 +525,7 @@ def _group_fits(adder: Any, req: Any, k: int) -> bool:
 
 
 def _queued_beams(scheduler: Any) -> list:
-    return [r for r in scheduler.waiting_queue if hasattr(r, CHILD_ATTR)] if _active else []
+    return [r for r in scheduler.waiting_queue if kcbs_beam_of(r) is not None] if _active else []
 
 
 def _abort_orphans(scheduler: Any, queued: list, message: str, status_code: Any = None) -> None:
@@ -536,7 +535,7 @@ def _abort_orphans(scheduler: Any, queued: list, message: str, status_code: Any 
     still = {id(r) for r in scheduler.waiting_queue}
     for r in queued:
         if id(r) not in still:
-            search = getattr(r, CHILD_ATTR)[0]
+            search = kcbs_beam_of(r)[0]
             _abort(search, message, None, status_code)
 
 

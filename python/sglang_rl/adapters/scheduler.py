@@ -19,10 +19,16 @@ from sglang.srt.runtime_context import get_parallel, get_server_args
 from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
 from sglang_rl.adapters import cotrain, hidden_states, kcbs, toploc, transport
+from sglang_rl.adapters.request_state import (
+    cotrain_rows_of,
+    fingerprint_of,
+    hidden_states_of,
+    kcbs_beam_of,
+    kcbs_search_of,
+    state_of,
+)
 from sglang_rl.request_options import options_of
 
-STATE_ATTR = "_sglang_rl_toploc"
-HS_ATTR = "_sglang_rl_hidden_states"
 
 
 def server_capture_mode_after(result: CaptureHiddenMode, server_args: Any) -> CaptureHiddenMode:
@@ -50,7 +56,7 @@ def req_init_after(result: None, req: Any, *args: Any, **kwargs: Any) -> None:
     search = kcbs.parent_state(options)
     if search is not None:
         # k-CBS output is assembled from its beams: no fingerprint or rows for it
-        setattr(req, kcbs.PARENT_ATTR, kcbs.KcbsSearch(req, *search))
+        state_of(req).kcbs_search = kcbs.KcbsSearch(req, *search)
         return
     sends = _sends_outputs()
     state = toploc.state_for_request(options, get_server_args())
@@ -62,28 +68,28 @@ def req_init_after(result: None, req: Any, *args: Any, **kwargs: Any) -> None:
         )
         req.return_hidden_states_mode = max(req.return_hidden_states_mode, needed)
         if sends:
-            setattr(req, STATE_ATTR, state)
+            state_of(req).fingerprint = state
     hs_options = hidden_states.options_from_entry(options)
     if hs_options is not None and hs_options.enabled:
         collector = hidden_states.RowCollector(
             hs_options, len(req.origin_input_ids), req.sampling_params.max_new_tokens, stores=sends)
         needed = CaptureHiddenMode.FULL if collector.needs_prompt_rows else CaptureHiddenMode.LAST
         req.return_hidden_states_mode = max(req.return_hidden_states_mode, needed)
-        setattr(req, HS_ATTR, collector)
+        state_of(req).hidden_states = collector
     trainer = cotrain.runtime()
     if trainer is not None:
         trainer.attach(req, options)
-        if hasattr(req, cotrain.ATTR):
+        if cotrain_rows_of(req) is not None:
             req.return_hidden_states_mode = max(req.return_hidden_states_mode, CaptureHiddenMode.LAST)
 
 
 def _row_collectors(req: Any) -> list:
     """The row collectors of a request: user-requested rows and co-training rows."""
     found = []
-    collector = getattr(req, HS_ATTR, None)
+    collector = hidden_states_of(req)
     if collector is not None:
         found.append(collector)
-    rows = getattr(req, cotrain.ATTR, None)
+    rows = cotrain_rows_of(req)
     if rows is not None:
         found.append(rows.rows)
     return found
@@ -93,7 +99,7 @@ def max_prefix_len_around(original: Callable, req: Any, *args: Any, **kwargs: An
     """AROUND Req._compute_max_prefix_len: a request that wants prompt rows must recompute them,
     so the radix cache may only serve the prefix before the first wanted row."""
     result = original(req, *args, **kwargs)
-    collector = getattr(req, HS_ATTR, None)
+    collector = hidden_states_of(req)
     limit = collector.prefix_limit() if collector is not None else None
     return result if limit is None else min(result, limit)
 
@@ -105,7 +111,7 @@ def update_finish_state_around(original: Callable, req: Any, *args: Any, **kwarg
     finished_len stays set through the extra step, because sglang streams an unfinished request's
     `output_ids_through_stop` in that step, and without it a speculative overshoot (tokens of the
     last verify run past the finish) would go out to the client, one token more than the rows."""
-    collector = getattr(req, HS_ATTR, None)
+    collector = hidden_states_of(req)
     if collector is None or not collector.options.final_row:
         return original(req, *args, **kwargs)
     if collector.deferred is not None:
@@ -204,7 +210,7 @@ def prefill_result_around(original: Callable, processor: Any, batch: Any, result
                     collector.add_prefill(_take(hidden, range(lo, hi)), last_chunk, end)
                 elif last_chunk:
                     collector.add_prefill(_take(hidden, [hi - 1]), True, end)
-            state = getattr(req, STATE_ATTR, None)
+            state = fingerprint_of(req)
             if state is None or state.done:
                 continue
             if isinstance(state, toploc.PrefillVerification):
@@ -246,7 +252,7 @@ def _decode_builders(reqs: list, stride: int, accepted: list[int] | None
     builder_type = toploc.FingerprintBuilder
     builders, picked = [], []
     for i, req in enumerate(reqs):
-        state = getattr(req, STATE_ATTR, None)
+        state = fingerprint_of(req)
         if type(state) is builder_type and not state.done and not (req.finished() or req.is_retracted):
             builders.append(state)
             picked.append(i)
@@ -265,8 +271,8 @@ def _decode_routes(reqs: list, stride: int, accepted: list[int] | None
             if rows_of.stores and not rows_of.done and not (req.finished() or req.is_retracted):
                 position = len(req.origin_input_ids) + len(req.output_ids) - 1
                 collectors.append((rows_of, i * stride, count, position))
-        collector = getattr(req, HS_ATTR, None)
-        state = getattr(req, STATE_ATTR, None)
+        collector = hidden_states_of(req)
+        state = fingerprint_of(req)
         # the deferred step of return_final_hidden_state samples a token that is never
         # returned: its row must not enter the fingerprint, which covers output_ids only
         if (isinstance(state, toploc.FingerprintBuilder) and not state.done
@@ -300,7 +306,7 @@ def stream_output_before(streamer: Any, reqs: list, *args: Any, **kwargs: Any) -
     if _streaming_released:
         return None
     replaced = None
-    if any(hasattr(r, kcbs.CHILD_ATTR) or hasattr(r, kcbs.PARENT_ATTR) for r in reqs):
+    if any(kcbs_beam_of(r) is not None or kcbs_search_of(r) is not None for r in reqs):
         reqs = replaced = kcbs.filter_outputs(reqs)
     _finish_rows(reqs)
     if not toploc.holds_requests() and replaced is None:
@@ -376,10 +382,10 @@ def _finish_rows(reqs: list) -> None:
     for req in finished:
         if trainer is not None:
             trainer.finished(req)
-        state = getattr(req, STATE_ATTR, None)
+        state = fingerprint_of(req)
         if isinstance(state, toploc.FingerprintBuilder) and not state.done:
             finishing.append((state, req))
-        collector = getattr(req, HS_ATTR, None)
+        collector = hidden_states_of(req)
         if collector is not None and not collector.done and collector.stores:
             collectors.append((collector, req))
     toploc.finish_builders(finishing)
@@ -390,7 +396,7 @@ def output_accept_around(original: Callable, accumulator: Any, *args: Any, **kwa
     """AROUND _GenerationStreamAccumulator.accept: finalise results of finished requests, then
     send whatever the request has queued along with this output."""
     req = kwargs.get("req", args[0] if args else None)
-    state = getattr(req, STATE_ATTR, None)
+    state = fingerprint_of(req)
     # sglang offers every running request to the accumulator at every step: a generating one's
     # fingerprint is posted by `_finish_rows`, so only verification requests go further here
     if state is not None and not isinstance(state, toploc.FingerprintBuilder):

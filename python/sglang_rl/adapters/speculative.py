@@ -14,7 +14,7 @@ Fingerprints (TOPLOC) take the same runs. Other algorithms are refused (request_
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 

@@ -10,17 +10,17 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from sglang_rl.adapters.request_state import peek, state_of
+
 KEY = "sglang_rl"
-_PENDING_ATTR = "_sglang_rl_pending_payload"
 
 
 def post(req: Any, **fields: Any) -> None:
     """Queue fields for the next output batch that carries `req`."""
-    pending = getattr(req, _PENDING_ATTR, None)
-    if pending is None:
-        pending = {}
-        setattr(req, _PENDING_ATTR, pending)
-    pending.update(fields)
+    state = state_of(req)
+    if state.pending_payload is None:
+        state.pending_payload = {}
+    state.pending_payload.update(fields)
 
 
 def accept_around(original: Callable, accumulator: Any, *args: Any, **kwargs: Any) -> None:
@@ -30,7 +30,8 @@ def accept_around(original: Callable, accumulator: Any, *args: Any, **kwargs: An
     original(accumulator, *args, **kwargs)
     if len(accumulator.rids) == before:
         return
-    pending = getattr(req, _PENDING_ATTR, None)
+    state = peek(req)
+    pending = None if state is None else state.pending_payload
     entries = accumulator.customized_info.get(KEY)
     if entries is None:
         if not pending:
@@ -40,7 +41,7 @@ def accept_around(original: Callable, accumulator: Any, *args: Any, **kwargs: An
         accumulator.customized_info[KEY] = entries
     entries[-1] = [pending] if pending else []
     if pending:
-        setattr(req, _PENDING_ATTR, None)
+        state.pending_payload = None
 
 
 def collect(meta_info: dict) -> dict:
