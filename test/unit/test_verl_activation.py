@@ -20,21 +20,28 @@ def _run(code: str) -> str:
     return run.stdout
 
 
-def test_hook_registers_the_replica_lazily() -> None:
+def test_hook_registers_the_replica_and_the_trainer_lazily() -> None:
     out = _run(
         "import sys\n"
         "from sglang_rl.integrations.verl.activate import load_plugins_first\n"
         "load_plugins_first()\n"
-        "print('imported before:', 'verl.workers.rollout.replica' in sys.modules, 'sglang' in sys.modules)\n"
+        "print('imported before:', 'verl.workers.rollout.replica' in sys.modules, 'sglang' in sys.modules,\n"
+        "      'verl.trainer.ppo.v1' in sys.modules)\n"
         "from verl.workers.rollout.replica import get_rollout_replica_class\n"
         "cls = get_rollout_replica_class('sglang')\n"
         "print('replica:', cls.__name__, cls.__mro__[1].__name__)\n"
         "import verl.workers.rollout.sglang_rollout.async_sglang_server as m\n"
         "print('server args:', m.ServerArgs.__name__)\n"
+        "from verl.trainer.ppo.v1 import get_trainer_cls\n"  # what verl's TaskRunnerV1 calls
+        "cls = get_trainer_cls('sglang_rl_sync')\n"
+        "print('trainer:', cls.__name__, cls.__mro__[1].__name__)\n"
+        "print('sync untouched:', get_trainer_cls('sync').__name__)\n"
     )
-    assert "imported before: False False" in out, out
+    assert "imported before: False False False" in out, out
     assert "replica: SGLangRLReplica SGLangReplica" in out, out
     assert "server args: RLServerArgs" in out, out
+    assert "trainer: SGLangRLTrainerSync PPOTrainerSync" in out, out
+    assert "sync untouched: PPOTrainerSync" in out, out
 
 
 def test_hook_after_verl_was_imported_acts_at_once() -> None:
@@ -50,22 +57,6 @@ def test_hook_after_verl_was_imported_acts_at_once() -> None:
     )
     assert "replica: SGLangRLReplica" in out and "vllm untouched: _load_vllm" in out, out
     assert "wraps verl: _load_sglang" in out, out
-
-
-def test_hook_registers_the_cotrain_trainer_with_verls_trainer_registry() -> None:
-    out = _run(
-        "import sys\n"
-        "from sglang_rl.integrations.verl.activate import load_plugins_first\n"
-        "load_plugins_first()\n"
-        "print('imported before:', 'verl.trainer.ppo.v1' in sys.modules)\n"
-        "from verl.trainer.ppo.v1 import get_trainer_cls\n"  # what verl's TaskRunnerV1 calls
-        "cls = get_trainer_cls('sglang_rl_sync')\n"
-        "print('trainer:', cls.__name__, cls.__mro__[1].__name__)\n"
-        "print('sync untouched:', get_trainer_cls('sync').__name__)\n"
-    )
-    assert "imported before: False" in out, out
-    assert "trainer: SGLangRLTrainerSync PPOTrainerSync" in out, out
-    assert "sync untouched: PPOTrainerSync" in out, out
 
 
 def test_without_the_hook_verl_knows_no_such_trainer() -> None:
