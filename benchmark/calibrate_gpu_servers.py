@@ -1,6 +1,6 @@
 """GPU calibration records for `sglang-rl calibrate --stats`: many sglang servers of one
 small model on one GPU, honest generators in several configurations and cheaper ones, each
-checked by a bf16 verifier through `python -m sglang_rl.calibrate_server`.
+checked by a bf16 verifier through `python -m sglang_rl.calibration.servers`.
 
     python toploc-scripts/make_cheat_model.py --model-path M --noise 0.01 --out /tmp/noise0.01
     python toploc-scripts/make_cheat_model.py --model-path M --noise 0.001 --seed 1 --out /tmp/noise0.001
@@ -124,7 +124,7 @@ def main() -> int:
             return f"{name}: not in this run"
         if gen not in up or ver not in up:
             return f"{name}: skipped (server down, see {out}/server_*.log)"
-        cmd = [sys.executable, "-m", "sglang_rl.calibrate_server",
+        cmd = [sys.executable, "-m", "sglang_rl.calibration.servers",
                "--generator", f"http://127.0.0.1:{table[gen][0]}", "--verifier", f"http://127.0.0.1:{table[ver][0]}",
                "--model-path", args.model_path, "--config", name, "--prompts", str(count), "--offset", str(offset),
                "--batch", str(batch), "--max-tokens", "128", "--out", str(out / f"rec_{name}.jsonl")]

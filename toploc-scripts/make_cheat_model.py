@@ -31,7 +31,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("give exactly one of --noise and --drop-layers")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from sglang_rl.calibrate_cpu import noisy_model
+    from sglang_rl.calibration.measure import noisy_model
 
     model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32)
     if args.noise is not None:

@@ -47,7 +47,7 @@ def main() -> int:
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
-    from sglang_rl.calibrate_cpu import gsm8k_prompts
+    from sglang_rl.calibration.measure import gsm8k_prompts
     from sglang_rl.fingerprint.sampling import combined_z
 
     prompts = gsm8k_prompts(AutoTokenizer.from_pretrained(args.model_path), args.prompts, args.offset)

@@ -18,8 +18,8 @@ from typing import Callable, NoReturn, Optional, Sequence
 # subcommand -> (module whose main(argv) runs it, one line of help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "model": ("sglang_rl.default_model", "print the default model's folder (SmolLM2-135M-Instruct), building it if needed"),
-    "calibrate": ("sglang_rl.calibrate", "fit TOPLOC verification bounds to a model (writes a calibration file)"),
-    "calibrate-server": ("sglang_rl.calibrate_server", "calibration records from a generator server checked by a verifier server"),
+    "calibrate": ("sglang_rl.calibration.fit", "fit TOPLOC verification bounds to a model (writes a calibration file)"),
+    "calibrate-server": ("sglang_rl.calibration.servers", "calibration records from a generator server checked by a verifier server"),
     "evidence": ("sglang_rl.worker_evidence", "judge workers from their saved verification results"),
     "drafter": ("sglang_rl.drafter.cli", "EAGLE drafter folders: `init` writes a random-init drafter for a target"),
     "audit": ("sglang_rl.integrations.verl.audit", "verify a sample of a verl run's rollouts on a verifier server"),

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from toploc_helpers import gen_generate, pmap, post, verify_tokens
-from sglang_rl.calibrate_cpu import gsm8k_prompts
+from sglang_rl.calibration.measure import gsm8k_prompts
 from sglang_rl.fingerprint.sampling import combined_z
 
 MAX_TOKENS = 64

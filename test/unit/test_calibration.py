@@ -289,7 +289,7 @@ def synthetic_records(seed: int = 0) -> list[dict]:
 
 
 def test_calibrate_cli_from_stat_files(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    from sglang_rl.calibrate import main
+    from sglang_rl.calibration.fit import main
 
     stats = tmp_path / "records.jsonl"
     stats.write_text("".join(json.dumps(r) + "\n" for r in synthetic_records()))
@@ -309,7 +309,7 @@ def test_calibrate_cli_from_stat_files(tmp_path: Path, capsys: pytest.CaptureFix
 
 
 def test_records_round_trip_gzip_and_plain(tmp_path: Path) -> None:
-    from sglang_rl.calibrate_cpu import read_records, write_records
+    from sglang_rl.calibration.measure import read_records, write_records
 
     records = synthetic_records()[:20]
     for name in ("records.jsonl", "records.jsonl.gz"):

@@ -32,7 +32,7 @@ reaches ``1/alpha`` with probability at most ``alpha``, and each climb from the 
 ``<= alpha * (1 + N * floor)``; with the defaults (alpha 1e-3, floor 1e-4) that is at most
 0.0011 over 1,000 responses and 0.002 over 10,000. The guarantee is only as good as the honest
 histogram: it must be measured on the configurations the workers really run (hardware, batch
-sizes, kernels), see ``sglang_rl.calibrate``.
+sizes, kernels), see ``sglang-rl calibrate``.
 """
 
 from __future__ import annotations
@@ -187,7 +187,7 @@ class WorkerEvidence:
     ) -> WorkerEvidence:
         """An accumulator using the calibration's bounds and score histograms."""
         if calibration.histogram is None:
-            raise ValueError("the calibration has no score histogram (re-run sglang_rl.calibrate)")
+            raise ValueError("the calibration has no score histogram (re-run sglang-rl calibrate)")
         policy = policy or EvidencePolicy()
         return cls(
             edges=calibration.histogram.edges,

@@ -1,4 +1,4 @@
-"""CPU measurements for ``sglang_rl.calibrate``: honest noise and cheats, with plain transformers.
+"""CPU measurements for ``sglang_rl.calibration.fit``: honest noise and cheats, with plain transformers.
 
 A *record* is one verified response: ``{"config", "honest", "prompt", "response_tokens",
 "chunks": [{"exp_mismatches", "mant_err_mean", "mant_err_median"}, ...]}``, the same fields as a

@@ -2,7 +2,7 @@
 
     sglang-rl calibrate --model-path MODEL_DIR --out calibration.json [--plot roc.png]
 
-Measures on the CPU with transformers (``sglang_rl.calibrate_cpu``): honest recomputation noise
+Measures on the CPU with transformers (``sglang_rl.calibration.measure``): honest recomputation noise
 (decode vs prefill, batch sizes, chunked prefill) and cheats (bf16 instead of float32, weight
 noise, another model), then picks per-chunk bounds for a per-response false-rejection budget
 (rule: ``calibration.choose_bound``) and writes a calibration file for
@@ -311,7 +311,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
-    from sglang_rl.calibrate_cpu import measure, read_records, write_records
+    from sglang_rl.calibration.measure import measure, read_records, write_records
 
     if not args.no_measure and not (Path(args.model_path) / "config.json").is_file():
         parser.error(f"--model-path {args.model_path}: not a model folder (no config.json)")

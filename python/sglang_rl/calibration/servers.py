@@ -7,7 +7,7 @@
 The generator server (``--toploc-verification``, any configuration: CUDA graphs, batch size,
 TP, attention backend, or a cheat such as ``--quantization fp8``) answers GSM8K prompts greedily;
 the verifier server (the agreed model, ``--toploc-verification``) checks each fingerprint in the
-exact-token form. Every result becomes one record of ``sglang_rl.calibrate_cpu`` (the server's
+exact-token form. Every result becomes one record of ``sglang_rl.calibration.measure`` (the server's
 result fields plus ``config``, ``honest`` and ``prompt``). Every other pair of prompts asks for
 33..63 tokens instead of ``--max-tokens``, so that short final chunks are measured too. Needs the
 standard library and the model's tokenizer.
@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence
 
 from sglang_rl.cli import ArgumentParser
-from sglang_rl.calibrate_cpu import gsm8k_prompts, write_records
+from sglang_rl.calibration.measure import gsm8k_prompts, write_records
 from sglang_rl.verifier_client import post_generate, verify_response
 
 def token_budget(index: int, max_tokens: int) -> int:

@@ -1,0 +1,9 @@
+"""Calibration of TOPLOC verification bounds for one model (`sglang-rl calibrate`).
+
+* measure.py: honest recomputation noise and cheaper models, measured with plain transformers,
+  as JSON-lines records (`sglang-rl calibrate` measures them itself);
+* servers.py: the same records from real servers, a generator checked by a verifier
+  (`sglang-rl calibrate-server`);
+* fit.py: bounds and score histograms fitted to the records, written as a calibration file that
+  `--toploc-verification-calibration` reads (`sglang_rl.fingerprint.calibration`).
+"""
