@@ -87,6 +87,15 @@ _FORMATS = {f.value: f for f in HiddenStatesFormat}
 _SCOPES = {s.value: s for s in HiddenStatesScope}
 
 
+def _choice(name: str, value: Any, choices: Mapping[str, Any], default: Any) -> Any:
+    """The member a request's string field names (`default` when not given)."""
+    if value is None:
+        return default
+    if isinstance(value, str) and value in choices:
+        return choices[value]
+    raise HiddenStatesRequestError(f"unknown {name} {value!r}; expected one of {sorted(choices)}")
+
+
 def _is_int(value: Any) -> bool:
     """True for real integers; bools are rejected even though Python treats them as ints."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
@@ -146,30 +155,14 @@ class HiddenStatesOptions:
                 f"got {return_hidden_states!r}"
             )
 
-        if hidden_states_format is None:
-            fmt = HiddenStatesFormat.LIST
-        elif isinstance(hidden_states_format, str) and hidden_states_format in _FORMATS:
-            fmt = _FORMATS[hidden_states_format]
-        else:
-            raise HiddenStatesRequestError(
-                f"unknown hidden_states_format {hidden_states_format!r}; "
-                f"expected one of {sorted(_FORMATS)}"
-            )
+        fmt = _choice("hidden_states_format", hidden_states_format, _FORMATS, HiddenStatesFormat.LIST)
         if fmt is HiddenStatesFormat.TENSOR and not allow_tensor_format:
             raise HiddenStatesRequestError(
                 "hidden_states_format 'tensor' is only available to the in-process Engine; "
                 "use 'base64' (or 'list') over HTTP"
             )
 
-        if hidden_states_scope is None:
-            scope = HiddenStatesScope.ALL
-        elif isinstance(hidden_states_scope, str) and hidden_states_scope in _SCOPES:
-            scope = _SCOPES[hidden_states_scope]
-        else:
-            raise HiddenStatesRequestError(
-                f"unknown hidden_states_scope {hidden_states_scope!r}; "
-                f"expected one of {sorted(_SCOPES)}"
-            )
+        scope = _choice("hidden_states_scope", hidden_states_scope, _SCOPES, HiddenStatesScope.ALL)
 
         if scope is HiddenStatesScope.LAST_N:
             if hidden_states_last_n is None:
