@@ -34,7 +34,8 @@ for arm in $ARMS; do
     actor_rollout_ref.rollout.n="$N" "$@" \
     > "$OUT/$arm.log" 2>&1 || { echo "arm $arm failed:"; tail -40 "$OUT/$arm.log"; }
 done
-$PY benchmark/verl_grpo_table.py "$OUT/logs/sglang-rl-gsm8k" --samples-per-step $((BATCH * N))
+$PY benchmark/verl_grpo_table.py "$OUT/logs/sglang-rl-gsm8k" --samples-per-step $((BATCH * N)) \
+  $($PY -c "import matplotlib" 2>/dev/null && echo --png "$OUT/grpo.png")
 # the audit: 256 random co-training rollouts on a separate verifier with calibrated bounds
 if [ -d "$OUT/rollout_sample/cotrain" ]; then
   $PY -m sglang.launch_server --model-path "$MODEL" --toploc-verification --port 31111 \
