@@ -26,8 +26,9 @@ TIMEOUT = 300
 # Keys whose values differ between two runs of the same server by nature.
 VOLATILE_KEYS = frozenset({
     "id", "created", "e2e_latency", "response_sent_to_client_ts",
-    # /get_server_info: this process's port, seed and start-up measurements
-    "port", "random_seed", "mem_fraction_static", "memory_usage", "startup_time",
+    # /get_server_info: this process's ports (the test harness gives each server its own HTTP and
+    # rendezvous port), seed and start-up measurements
+    "port", "nccl_port", "random_seed", "mem_fraction_static", "memory_usage", "startup_time",
     "last_gen_throughput",
 })
 # Stream chunk keys that carry text (assembled per choice, not compared chunk by chunk).
