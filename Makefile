@@ -19,7 +19,7 @@ demo-cotrain: setup
 	$(PY) scripts/demo_cotrain.py
 
 test: setup
-	$(PY) -m pytest test/unit test/e2e -v
+	$(PY) -m pytest test/unit test/e2e -v --durations=30
 
 # on a machine with CUDA and the plugin installed (not part of `make test`)
 test-gpu:
