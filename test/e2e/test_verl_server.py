@@ -27,7 +27,7 @@ import requests
 from omegaconf import open_dict
 
 from test_drafter_cotrain import gsm8k, init_drafter
-from sglang_rl.adapters.toploc import FINGERPRINTS_FIELD
+from sglang_rl.request_options import FINGERPRINTS_FIELD
 from toploc_helpers import assert_fingerprints_verify
 from verl_example import example_config
 

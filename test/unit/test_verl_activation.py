@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 from sglang_rl.adapters import rollout_records
-from sglang_rl.adapters.toploc import FINGERPRINTS_FIELD
+from sglang_rl.request_options import FINGERPRINTS_FIELD
 
 
 def _run(code: str) -> str:

@@ -16,18 +16,19 @@ from typing import Any, AsyncIterator, Callable, Optional
 from sglang.srt.managers.io_struct import GenerateReqInput
 
 from sglang_rl.adapters import hidden_states as hs_adapter
-from sglang_rl.adapters import rollout_records
+from sglang_rl.adapters import rollout_records, transport
 from sglang_rl.adapters.kcbs import CANDIDATES_FIELD
-from sglang_rl.adapters import transport
-from sglang_rl.adapters.toploc import FINGERPRINTS_FIELD, RESULT_FIELD
-from sglang_rl.fingerprint.sampling import DEFAULT_MAX_Z, TOP_N as SAMPLING_TOP_N
+from sglang_rl.fingerprint.sampling import DEFAULT_MAX_Z
+from sglang_rl.fingerprint.sampling import TOP_N as SAMPLING_TOP_N
 from sglang_rl.request_options import (
     ALL_FIELDS,
+    CUSTOM_PARAMS_KEY,
+    FINGERPRINTS_FIELD,
     HIDDEN_STATES_FIELDS,
     KCBS_FIELDS,
     KCBS_STREAM_ERROR,
-    CUSTOM_PARAMS_KEY,
     RESPONSE_START_KEY,
+    RESULT_FIELD,
     RequestOptionError,
     pop_fields,
     validate_combination,

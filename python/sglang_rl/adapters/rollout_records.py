@@ -14,7 +14,7 @@ import threading
 from collections import OrderedDict
 from typing import Any, Optional
 
-from sglang_rl.adapters.toploc import FINGERPRINTS_FIELD
+from sglang_rl.request_options import FINGERPRINTS_FIELD
 
 logger = logging.getLogger(__name__)
 

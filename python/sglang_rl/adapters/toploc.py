@@ -43,7 +43,7 @@ from sglang_rl.fingerprint import (
 from sglang_rl.fingerprint.device_prover import DeviceProver, LaunchedProofs, device_index
 from sglang_rl.fingerprint.calibration import UNCALIBRATED, ThresholdPolicy, cached_policy
 from sglang_rl.fingerprint.row_ring import RowRing
-from sglang_rl.request_options import FINGERPRINTS_FIELD, RESPONSE_START_KEY, RESULT_FIELD  # noqa: F401 - re-exported
+from sglang_rl.request_options import FINGERPRINTS_FIELD, RESPONSE_START_KEY, RESULT_FIELD
 
 logger = logging.getLogger(__name__)
 
