@@ -6,7 +6,8 @@ its requests' fingerprinting off and on between timed runs (never for serving).
 names exists, a request gets no TOPLOC state, so no fingerprint builder: only the server-wide
 capture mode of --toploc-verification remains (TOPLOC off, in effect). With
 `SGLANG_RL_TOPLOC_PAIRED_CLONE` set, while the file of that name plus `.clone` exists, each
-step's kept rows are a fresh clone instead of a view of the row ring (`--compare-clone`).
+step's kept rows are a fresh clone instead of a view of the row ring (`--compare-clone`): the
+scheduler's `FingerprintPipeline.keep_rows` is wrapped, for every pipeline of the process.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 from typing import Any
 
 TOPLOC = "sglang_rl.adapters.toploc"
+PIPELINE = "sglang_rl.fingerprint.pipeline.FingerprintPipeline"
 
 
 def _paired(original: Any, *args: Any, **kwargs: Any) -> Any:
@@ -25,13 +27,13 @@ def _paired(original: Any, *args: Any, **kwargs: Any) -> Any:
     return original(*args, **kwargs)
 
 
-def _paired_keep(original: Any, rows: Any) -> Any:
-    """`keep_rows`, or while the `.clone` flag exists a clone of the rows."""
+def _paired_keep(original: Any, pipeline: Any, rows: Any) -> Any:
+    """`pipeline.keep_rows`, or while the `.clone` flag exists a clone of the rows."""
     if not os.path.exists(os.environ["SGLANG_RL_TOPLOC_PAIRED_FLAG"] + ".clone"):
-        return original(rows)
-    from sglang_rl.adapters import toploc
+        return original(pipeline, rows)
+    from sglang_rl.fingerprint.row_ring import clone_kept
 
-    return toploc.clone_kept(rows)
+    return clone_kept(rows)
 
 
 def register() -> None:
@@ -42,4 +44,4 @@ def register() -> None:
 
     HookRegistry.register(f"{TOPLOC}.state_for_request", _paired, HookType.AROUND)
     if os.environ.get("SGLANG_RL_TOPLOC_PAIRED_CLONE"):
-        HookRegistry.register(f"{TOPLOC}.keep_rows", _paired_keep, HookType.AROUND)
+        HookRegistry.register(f"{PIPELINE}.keep_rows", _paired_keep, HookType.AROUND)

@@ -27,6 +27,7 @@ def hook_table() -> list[Hook]:
     """All hooks of the plugin (imports are local so that importing this module stays cheap)."""
     from sglang_rl.adapters import api, hidden_states, kcbs, openai, scheduler, speculative
     from sglang_rl.adapters import cotrain, cotrain_api, drafter_weights, drafter_weights_api
+    from sglang_rl.adapters import toploc
     from sglang_rl.server_args import RLServerArgs
 
     REPLACE, AROUND, BEFORE, AFTER = HookType.REPLACE, HookType.AROUND, HookType.BEFORE, HookType.AFTER
@@ -66,6 +67,18 @@ def hook_table() -> list[Hook]:
         Hook(f"{SRT}.model_executor.forward_batch_info.get_server_return_hidden_states_mode", AFTER,
              scheduler.server_capture_mode_after,
              "with --toploc-verification every batch (and every CUDA graph) captures LAST rows"),
+        Hook(f"{SRT}.managers.scheduler.Scheduler.__init__", AFTER, toploc.scheduler_init_after,
+             "--toploc-verification: this scheduler's fingerprint pipeline, on the scheduler and the "
+             "parts whose hooks use it (result processor, output streamer, workers)"),
+        Hook(f"{SRT}.managers.tp_worker.TpModelWorker.forward_batch_generation", AFTER,
+             toploc.worker_forward_after, "the batch result carries the pipeline to its copy_to_cpu hook"),
+        Hook(f"{SRT}.speculative.eagle_worker_v2.EAGLEWorkerV2.forward_batch_generation", AFTER,
+             toploc.worker_forward_after, "the same for an EAGLE / NEXTN step's result"),
+        Hook(f"{SRT}.speculative.multi_layer_eagle_worker_v2.MultiLayerEagleWorkerV2"
+             ".forward_batch_generation", AFTER, toploc.worker_forward_after,
+             "the same for a multi-layer EAGLE step's result"),
+        Hook(f"{SRT}.speculative.ngram_worker.NGRAMWorker.forward_batch_generation", AFTER,
+             toploc.worker_forward_after, "the same for an NGRAM step's result"),
         Hook(f"{SRT}.managers.scheduler.Scheduler.__init__", AFTER, kcbs.scheduler_init_after,
              "k-CBS queues its beam requests through this process's scheduler"),
         Hook(f"{SRT}.managers.scheduler.Scheduler.abort_request", AROUND, kcbs.abort_request_around,
@@ -116,10 +129,10 @@ def hook_table() -> list[Hook]:
              "rows of requests finishing in this batch; start their last proofs and hold their "
              "outputs until the proofs are done (the step never waits), releasing finished ones"),
         Hook(f"{SRT}.managers.scheduler.Scheduler.get_next_batch_to_run", AFTER,
-             scheduler.next_batch_after,
+             toploc.next_batch_after,
              "stream held outputs once their proofs are done, not a step later with the next "
              "batch; with nothing to launch, wait for those proofs (the loop would wait anyway)"),
-        Hook(f"{SRT}.managers.scheduler.Scheduler.on_idle", BEFORE, scheduler.idle_before,
+        Hook(f"{SRT}.managers.scheduler.Scheduler.on_idle", BEFORE, toploc.idle_before,
              "loops that idle without that schedule (disaggregation, multiplexing): wait for the "
              "held outputs' proofs and stream them"),
         Hook(f"{SCHED}.output_streamer._GenerationStreamAccumulator.accept", AROUND,

@@ -112,10 +112,10 @@ def test_random_traffic_never_overwrites_a_live_view() -> None:
 def test_a_server_without_room_for_the_ring_clones_its_rows(monkeypatch, caplog) -> None:
     """The ring is allocated while the server runs: if the device has no room for it, kept rows
     are cloned step by step (with a warning) and the step goes on."""
-    from sglang_rl.adapters import toploc as adapter
+    from sglang_rl.fingerprint import row_ring
 
     class _DeviceRows(torch.Tensor):
-        """Host rows that say they are on a device, so keep_rows makes a ring for them."""
+        """Host rows that say they are on a device, so keep makes a ring for them."""
 
         @property
         def is_cuda(self) -> bool:
@@ -124,11 +124,11 @@ def test_a_server_without_room_for_the_ring_clones_its_rows(monkeypatch, caplog)
     def no_room(*args, **kwargs):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory")
 
-    monkeypatch.setattr(adapter, "_rings", {})
-    monkeypatch.setattr(adapter, "RowRing", no_room)
+    rings = row_ring.RowRings()
+    monkeypatch.setattr(row_ring, "RowRing", no_room)
     rows = torch.randn(6, WIDTH).as_subclass(_DeviceRows)
     with caplog.at_level("WARNING"):
-        kept = [adapter.keep_rows(rows) for _ in range(3)]
+        kept = [rings.keep(rows) for _ in range(3)]
     assert all(torch.equal(k, rows) and k.data_ptr() != rows.data_ptr() for k in kept)
-    assert list(adapter._rings.values()) == [None]
+    assert list(rings.by_kind.values()) == [None]
     assert sum("no room for the" in r.message for r in caplog.records) == 1

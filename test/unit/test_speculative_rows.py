@@ -104,13 +104,13 @@ def test_a_result_keeps_its_rows_on_the_stores_device_only_when_fingerprints_alo
 
     from sglang_rl.adapters import scheduler, toploc
 
-    monkeypatch.setattr(toploc, "_device", torch.device("meta"))
-    monkeypatch.setattr(toploc, "_device_known", True)
+    worker = SimpleNamespace()  # a worker of a scheduler whose store is on the `meta` device
+    setattr(worker, toploc.ATTR, toploc.new_pipeline(torch.device("meta")))
     args = SimpleNamespace(toploc_verification=True, return_hidden_states_mode="last" if collects else None,
                            drafter_cotrain=False)
     monkeypatch.setattr(scheduler, "get_server_args", lambda: args)
     rows = torch.empty(4, 8, device="meta")
-    result = _batch_result(rows)
+    result = toploc.worker_forward_after(_batch_result(rows), worker)  # as the worker returns it
     copy = lambda: scheduler.copy_to_cpu_around(GenerationBatchResult.copy_to_cpu, result,
                                                 return_logprob=False, return_hidden_states=True)
     if collects:
@@ -123,6 +123,6 @@ def test_a_result_keeps_its_rows_on_the_stores_device_only_when_fingerprints_alo
     assert result.next_token_ids.tolist() == [5, 6]  # the rest of sglang's copy still ran
 
     host_rows = torch.randn(4, 8)
-    result = _batch_result(host_rows)
+    result = toploc.worker_forward_after(_batch_result(host_rows), worker)
     scheduler.copy_to_cpu_around(GenerationBatchResult.copy_to_cpu, result, False, True)
     assert torch.equal(result.logits_output.hidden_states, host_rows)  # a CPU server: sglang's path

@@ -27,8 +27,9 @@ from sglang_rl.adapters.request_state import (
     kcbs_search_of,
     state_of,
 )
+from sglang_rl.fingerprint.builder import FingerprintBuilder
+from sglang_rl.fingerprint.row_store import pick_rows
 from sglang_rl.request_options import options_of
-
 
 
 def server_capture_mode_after(result: CaptureHiddenMode, server_args: Any) -> CaptureHiddenMode:
@@ -150,11 +151,13 @@ def copy_to_cpu_around(original: Callable, result: Any, return_logprob: bool = F
     made where sglang would start its page-locked host copy (same stream, same point), instead
     of a host copy that the store would send straight back. Servers with row collectors
     (hidden-state fields, co-training) take sglang's host copy as before. A request's own
-    sglang return_hidden_states still works: sglang copies its rows out of the device tensor."""
+    sglang return_hidden_states still works: sglang copies its rows out of the device tensor. The
+    result carries its scheduler's pipeline (`toploc.worker_forward_after`)."""
     rows = getattr(result.logits_output, "hidden_states", None) if return_hidden_states else None
-    if (rows is not None and rows.device == toploc.store_device()
+    pipeline = toploc.pipeline_of(result)
+    if (rows is not None and pipeline is not None and rows.device == pipeline.device
             and _rows_only_fingerprinted(get_server_args())):
-        result.logits_output.hidden_states = toploc.keep_rows(rows)
+        result.logits_output.hidden_states = pipeline.keep_rows(rows)
         return_hidden_states = False
     return original(result, return_logprob, return_hidden_states)
 
@@ -182,7 +185,7 @@ def _server_collects_rows(args: Any) -> bool:
 def _take(hidden: torch.Tensor, index: list[int] | range) -> torch.Tensor:
     """Rows of the batch at the given ascending indices, on the CPU (a view or one gather, then
     one host copy)."""
-    return toploc.pick_rows(hidden, index).to("cpu")
+    return pick_rows(hidden, index).to("cpu")
 
 
 def prefill_result_around(original: Callable, processor: Any, batch: Any, result: Any) -> Any:
@@ -215,11 +218,12 @@ def prefill_result_around(original: Callable, processor: Any, batch: Any, result
                 continue
             if isinstance(state, toploc.PrefillVerification):
                 state.add_rows(_take(hidden, range(lo, hi)))
-            elif isinstance(state, toploc.FingerprintBuilder) and req.inflight_middle_chunks <= 0:
+            elif isinstance(state, FingerprintBuilder) and req.inflight_middle_chunks <= 0:
                 builders.append(state)
                 last_rows.append(hi - 1)
-        if builders or toploc.holds_requests():  # a prefill step counts towards held outputs' deadline too
-            toploc.add_builder_rows(builders, hidden, _topk(), starts=last_rows)
+        pipeline = toploc.pipeline_of(processor)
+        if pipeline is not None and (builders or pipeline.holds_requests()):  # a prefill step counts too
+            pipeline.add_builder_rows(builders, hidden, _topk(), starts=last_rows)
     return original(processor, batch, result)
 
 
@@ -236,34 +240,21 @@ def decode_result_around(original: Callable, processor: Any, batch: Any, result:
         if _server_collects_rows(processor.server_args):
             builders, starts, counts, collectors = _decode_routes(batch.reqs, stride, accepted)
         else:  # a TOPLOC-only server has no row collectors to look for
-            builders, starts, counts = _decode_builders(batch.reqs, stride, accepted)
+            builders, starts, counts = toploc.decode_builders(batch.reqs, stride, accepted)
             collectors = []
-        if builders or toploc.holds_requests():  # a step of the pending job's count even without rows
-            toploc.add_builder_rows(builders, hidden, _topk(), counts, starts)
+        pipeline = toploc.pipeline_of(processor)
+        if pipeline is not None and (builders or pipeline.holds_requests()):  # a step even without rows
+            pipeline.add_builder_rows(builders, hidden, _topk(), counts, starts)
         if collectors:
             hidden_states.add_decode_rows(collectors, _private_host_rows(hidden, processor))
     return original(processor, batch, result)
 
 
-def _decode_builders(reqs: list, stride: int, accepted: list[int] | None
-                     ) -> tuple[list, list[int], list[int] | None]:
-    """The fingerprint builders of a decode step's running requests, with the first row and
-    the row count of each one's committed run. This runs for every request at every step."""
-    builder_type = toploc.FingerprintBuilder
-    builders, picked = [], []
-    for i, req in enumerate(reqs):
-        state = fingerprint_of(req)
-        if type(state) is builder_type and not state.done and not (req.finished() or req.is_retracted):
-            builders.append(state)
-            picked.append(i)
-    counts = None if accepted is None else [accepted[i] for i in picked]
-    return builders, picked if stride == 1 else [i * stride for i in picked], counts
-
-
 def _decode_routes(reqs: list, stride: int, accepted: list[int] | None
                    ) -> tuple[list, list[int], list[int], list]:
-    """`_decode_builders` on a server whose requests may also have row collectors (hidden-state
-    fields, co-training): those collectors too, each with its run and the run's position."""
+    """`toploc.decode_builders` on a server whose requests may also have row collectors
+    (hidden-state fields, co-training): those collectors too, each with its run and the run's
+    position."""
     builders, starts, counts, collectors = [], [], [], []
     for i, req in enumerate(reqs):
         count = accepted[i] if accepted is not None else 1
@@ -275,7 +266,7 @@ def _decode_routes(reqs: list, stride: int, accepted: list[int] | None
         state = fingerprint_of(req)
         # the deferred step of return_final_hidden_state samples a token that is never
         # returned: its row must not enter the fingerprint, which covers output_ids only
-        if (isinstance(state, toploc.FingerprintBuilder) and not state.done
+        if (isinstance(state, FingerprintBuilder) and not state.done
                 and not (req.finished() or req.is_retracted)
                 and (collector is None or collector.deferred is None)):
             builders.append(state)
@@ -302,76 +293,24 @@ def stream_output_before(streamer: Any, reqs: list, *args: Any, **kwargs: Any) -
     requests are taken out, finished searches put in), then finalise the rows of every request
     finishing in this batch and start their fingerprints' last proofs. Requests whose proofs
     are still being built are held back from this batch's outputs (the step never waits for
-    them) and go out as soon as they are proven (`next_batch_after`) or with a later batch."""
-    if _streaming_released:
+    them) and go out as soon as they are proven (`toploc.next_batch_after`) or with a later
+    batch."""
+    pipeline = toploc.pipeline_of(streamer)
+    if pipeline is not None and pipeline.releasing:  # held outputs released outside a batch's own
         return None
     replaced = None
     if any(kcbs_beam_of(r) is not None or kcbs_search_of(r) is not None for r in reqs):
         reqs = replaced = kcbs.filter_outputs(reqs)
-    _finish_rows(reqs)
-    if not toploc.holds_requests() and replaced is None:
-        return None
-    ready = toploc.release_finished()
-    held = toploc.held_ids()
-    if held:
-        reqs = [r for r in reqs if id(r) not in held]
-    if ready:
-        present = {id(r) for r in reqs}
-        reqs = list(reqs) + [r for r in ready if id(r) not in present]
-        args, kwargs = _with_logprobs_for(ready, args, kwargs)
+    _finish_rows(reqs, pipeline)
+    if pipeline is None or not pipeline.holds_requests():
+        return None if replaced is None else ((streamer, reqs, *args), kwargs)
+    reqs, args, kwargs = toploc.with_held_outputs(pipeline, reqs, args, kwargs)
     return (streamer, reqs, *args), kwargs
 
 
-def _with_logprobs_for(reqs: list, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """stream_output's `return_logprob` (the batch's flag) raised when one of `reqs`, released
-    into another batch's outputs, asked for log-probs (each request's own flag still decides)."""
-    if not any(r.return_logprob for r in reqs):
-        return args, kwargs
-    if args:
-        return (True, *args[1:]), kwargs
-    return args, {**kwargs, "return_logprob": True}
-
-
-_streaming_released = False
-
-
-def next_batch_after(plan: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
-    """AFTER Scheduler.get_next_batch_to_run: stream held outputs as soon as their proofs are
-    done, rather than with the next batch's outputs, a whole step later (under the overlap
-    schedule the requests that end a burst would reach their clients a step after they would
-    without fingerprints). With no batch to launch, the scheduler's next move is to wait for the
-    GPU anyway (the last batch's results) or to idle: it waits for the held proofs instead, short
-    jobs on their own stream that were launched before that batch's results were due."""
-    _stream_held(scheduler, wait=plan.batch_to_run is None)
-    return plan
-
-
-def idle_before(scheduler: Any, *args: Any, **kwargs: Any) -> None:
-    """BEFORE Scheduler.on_idle: the backstop for loops that idle without calling
-    get_next_batch_to_run (disaggregated prefill and decode, multiplexing): no batch is left to
-    carry held outputs, so wait for their proofs and stream them now."""
-    _stream_held(scheduler, wait=True)
-
-
-def _stream_held(scheduler: Any, wait: bool) -> None:
-    """Stream the held requests whose proofs are done (all of them, waiting, with `wait`),
-    outside a batch's own outputs (they are not held any more, so `stream_output_before` lets
-    them through untouched)."""
-    global _streaming_released
-    if not toploc.holds_requests():
-        return
-    ready = toploc.release_finished(wait=wait)
-    if not ready:
-        return
-    _streaming_released = True
-    try:
-        scheduler.output_streamer.stream_output(ready, any(r.return_logprob for r in ready))
-    finally:
-        _streaming_released = False
-
-
-def _finish_rows(reqs: list) -> None:
-    """Finalise the rows of finishing requests and start their fingerprints' last proofs."""
+def _finish_rows(reqs: list, pipeline: Any) -> None:
+    """Finalise the rows of finishing requests and start their fingerprints' last proofs (in the
+    scheduler's `pipeline`)."""
     if not _server_wants_rows(get_server_args()):
         return
     finished = [req for req in reqs if req.finished()]  # this runs at every step, for every request
@@ -383,12 +322,13 @@ def _finish_rows(reqs: list) -> None:
         if trainer is not None:
             trainer.finished(req)
         state = fingerprint_of(req)
-        if isinstance(state, toploc.FingerprintBuilder) and not state.done:
+        if isinstance(state, FingerprintBuilder) and not state.done:
             finishing.append((state, req))
         collector = hidden_states_of(req)
         if collector is not None and not collector.done and collector.stores:
             collectors.append((collector, req))
-    toploc.finish_builders(finishing)
+    if finishing:
+        toploc.finish_builders(pipeline, finishing)
     hidden_states.finish_collectors(collectors)
 
 
@@ -399,6 +339,6 @@ def output_accept_around(original: Callable, accumulator: Any, *args: Any, **kwa
     state = fingerprint_of(req)
     # sglang offers every running request to the accumulator at every step: a generating one's
     # fingerprint is posted by `_finish_rows`, so only verification requests go further here
-    if state is not None and not isinstance(state, toploc.FingerprintBuilder):
+    if state is not None and not isinstance(state, FingerprintBuilder):
         toploc.finish_verification(state, req)
     transport.accept_around(original, accumulator, *args, **kwargs)

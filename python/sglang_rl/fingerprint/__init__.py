@@ -1,5 +1,7 @@
 """TOPLOC activation fingerprints: batched proof building, the wire container, verification,
-per-model calibration of the bounds and worker-level evidence."""
+per-model calibration of the bounds and worker-level evidence. A serving loop's fingerprints are
+built by `pipeline.FingerprintPipeline` (imported from its module, not here: the API side never
+loads it)."""
 
 from sglang_rl.fingerprint.codec import (
     FORMAT_VERSION,

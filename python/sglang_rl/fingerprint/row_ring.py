@@ -13,18 +13,28 @@ once the latest fence has passed (device work on one stream finishes in order, a
 only after the copy that reads it was issued, so that fence comes after every read of it). The
 host waits for a step's results before it drops a view it never staged, so a write into a reused
 region never meets an earlier write still in flight either.
+
+`RowRings` holds a pipeline's rings, one per kind of rows, and makes the kept copies
+(`RowRings.keep`).
 """
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections import deque
 from typing import Iterable, NamedTuple, Optional
 
 import torch
 
+from sglang_rl.fingerprint.settings import RING_BYTES
+
+logger = logging.getLogger(__name__)
+
 SPAN_ATTR = "_sglang_rl_ring_span"
 """Set on each view `RowRing.copy` returns: (ring, first row, end row)."""
+KEPT_ATTR = "_sglang_rl_kept"
+"""Set on every kept copy (`RowRings.keep`, `clone_kept`): the row store may stage it."""
 
 
 class RowRing:
@@ -106,3 +116,49 @@ class Joined(NamedTuple):
     pieces: list[torch.Tensor]
     loose: list[torch.Tensor]  # the parts that are no ring's views
     rings: Iterable[RowRing]  # the rings the other parts are views of
+
+
+def clone_kept(rows: torch.Tensor) -> torch.Tensor:
+    """A kept copy without a ring: a tensor of its own, marked as a kept copy."""
+    kept = rows.clone()
+    setattr(kept, KEPT_ATTR, True)
+    return kept
+
+
+class RowRings:
+    """The rings of one pipeline, one per kind of device rows (dtype, width, device index),
+    allocated on first use; a kind without a ring (host rows, or no room) maps to None."""
+
+    def __init__(self, ring_bytes: int = RING_BYTES) -> None:
+        self.ring_bytes = ring_bytes
+        self.by_kind: dict[tuple, Optional[RowRing]] = {}
+
+    def keep(self, rows: torch.Tensor) -> torch.Tensor:
+        """A private copy of a step's device rows for the row store, made where the serving loop
+        starts the step's host copies (before its copy-done event), so finished once the host
+        has waited for that event, as the result hooks do before they route rows. The store may
+        stage it for many steps and write it with no stream wait (`RowStore.write`). The copy
+        goes into this kind's ring, beside the previous step's; rows that do not fit there (a
+        long prefill's, or while the ring is full) get a tensor of their own."""
+        kind = (rows.dtype, rows.shape[-1], rows.get_device())
+        ring = self.by_kind.get(kind, False)
+        if ring is False:
+            ring = self.by_kind[kind] = self._new_ring(rows)
+        kept = ring.copy(rows) if ring is not None else None
+        if kept is None:
+            return clone_kept(rows)
+        setattr(kept, KEPT_ATTR, True)
+        return kept
+
+    def _new_ring(self, rows: torch.Tensor) -> Optional[RowRing]:
+        """The ring for device rows like these (None for host rows). Allocated while the server
+        runs, out of the memory it leaves free: where `ring_bytes` do not fit, kept rows are
+        cloned step by step rather than the step failing."""
+        if not (rows.is_cuda and rows.dim() == 2):
+            return None
+        try:
+            return RowRing(self.ring_bytes // (rows.shape[1] * rows.element_size()), rows)
+        except torch.cuda.OutOfMemoryError:
+            logger.warning("no room for the %d MB row ring: TOPLOC copies each step's rows apart",
+                           self.ring_bytes >> 20)
+            return None
