@@ -22,8 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-PRIME = 65497
-"""The field prime of toploc's interpolation, also the first candidate modulus."""
+from sglang_rl.fingerprint.interpolation import PRIME, lagrange_coefficients, newton_coefficients
 
 MAX_FLAT_INDEX = 2**31 - 1
 """toploc stores flat indices as C ints: a chunk may hold at most this many elements."""
@@ -32,28 +31,10 @@ _FIRST_BLOCKS = (1, 16)
 _BLOCK = 256
 _MAX_SEARCH_ELEMENTS = 2**22
 
-_inverse_table: torch.Tensor | None = None
-
 
 def proof_num_bytes(topk: int) -> int:
     """Size of one serialised proof: u16 modulus plus ``topk`` u16 coefficients."""
     return 2 + 2 * topk
-
-
-def _inverses() -> torch.Tensor:
-    """Table of modular inverses mod PRIME (entry 0 is 0), built once by Fermat's little theorem."""
-    global _inverse_table
-    if _inverse_table is None:
-        base = torch.arange(PRIME, dtype=torch.int64)
-        result = torch.ones_like(base)
-        exponent = PRIME - 2
-        while exponent:
-            if exponent & 1:
-                result = result * base % PRIME
-            base = base * base % PRIME
-            exponent >>= 1
-        _inverse_table = result
-    return _inverse_table
 
 
 def select_topk(flat: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,105 +125,8 @@ def _first_injective(indices: torch.Tensor, candidates: torch.Tensor) -> tuple[t
     return injective.any(dim=1), candidates[injective.to(torch.int8).argmax(dim=1)]
 
 
-def _newton_coefficients(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Ascending coefficients of the interpolating polynomial mod PRIME, one row per proof.
-
-    ``x`` [B, k] holds distinct values in 0..PRIME-1 per row, ``y`` [B, k] values in 0..PRIME-1.
-    Newton divided differences, then Horner-style expansion of the Newton form in place: the
-    polynomial of degree d lives in columns k-1-d.. and each step multiplies it by (t - x_i).
-    Every intermediate stays below PRIME**2 + PRIME < 2**33 in magnitude, far inside int64.
-    The 2k sequential steps run in numpy: each is a few tiny array ops, where numpy's per-op cost
-    is a fraction of torch's (3-4x faster in all; this runs beside the scheduler loop).
-    """
-    inverse = _inverses().numpy()
-    xs = x.numpy()
-    dd = y.numpy().copy()
-    k = xs.shape[1]
-    for step in range(1, k):
-        numerator = dd[:, step:] - dd[:, step - 1 : -1]
-        denominator = (xs[:, step:] - xs[:, : k - step]) % PRIME
-        dd[:, step:] = numerator * inverse[denominator] % PRIME
-    coeffs = np.zeros_like(dd)
-    coeffs[:, k - 1] = dd[:, k - 1]
-    for i in range(k - 2, -1, -1):
-        coeffs[:, i : k - 1] -= xs[:, i : i + 1] * coeffs[:, i + 1 :]
-        coeffs[:, i] += dd[:, i]
-        coeffs[:, i:] %= PRIME
-    return torch.from_numpy(coeffs)
-
-
 _LAGRANGE_MAX_ELEMENTS = 2**24
 """Batch slice of the matrix path: at most this many [k, k] power-table entries at once."""
-
-_device_inverses: dict[torch.device, torch.Tensor] = {}
-
-
-@functools.lru_cache(maxsize=64)
-def _toeplitz_index(length: int, device: torch.device) -> torch.Tensor:
-    """[2L-1, L] gather index of the product matrix T[s, t] = a[s - t] (index L: a zero pad)."""
-    shift = torch.arange(2 * length - 1, device=device)[:, None] - torch.arange(length, device=device)[None, :]
-    return torch.where((shift >= 0) & (shift < length), shift, length)
-
-
-@functools.lru_cache(maxsize=16)
-def _hankel_index(k: int, device: torch.device) -> torch.Tensor:
-    """[k, k] gather index H[j, e] = j + 1 + e, clamped to 2k (a zero pad)."""
-    return (torch.arange(k, device=device)[:, None] + 1 + torch.arange(k, device=device)[None, :]).clamp(max=2 * k)
-
-
-def _product_tree(roots: torch.Tensor) -> torch.Tensor:
-    """Ascending coefficients [B, k+1] of prod_i (t - roots[:, i]) mod PRIME, multiplied pairwise
-    in log2(k) rounds; each round's products are one batched matmul of Toeplitz matrices.
-    ``roots`` is float64 with integer values in 0..PRIME-1."""
-    batch, k = roots.shape
-    width = 1 << max(0, (k - 1).bit_length())
-    polys = torch.zeros(batch, width, 2, dtype=torch.float64, device=roots.device)
-    polys[:, :, 0] = 1.0  # padding factors are the constant 1
-    polys[:, :k, 0] = torch.fmod(PRIME - roots, PRIME)
-    polys[:, :k, 1] = 1.0
-    while polys.shape[1] > 1:
-        left, right = polys[:, 0::2], polys[:, 1::2]
-        pairs, length = left.shape[1], left.shape[2]
-        padded = torch.cat([left, left.new_zeros(batch, pairs, 1)], dim=2)
-        toeplitz = padded[:, :, _toeplitz_index(length, roots.device)]
-        polys = torch.fmod(torch.matmul(toeplitz, right.unsqueeze(-1)).squeeze(-1), PRIME)
-    return polys[:, 0, : k + 1]
-
-
-def _lagrange_coefficients(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """The same polynomial as ``_newton_coefficients``, in O(log k) batched tensor ops on the
-    inputs' device, for the GPU, where the Newton form's 2k sequential steps would each be a
-    kernel launch.
-
-    With M(t) = prod (t - x_i) and w_i = y_i / M'(x_i), the coefficients are
-    c_j = sum_{m > j} M_m * A_{m-j-1} with A_e = sum_i w_i x_i^e (Lagrange's form, expanded).
-    The sums run as float64 matmuls: every operand is an integer below PRIME and every partial
-    sum stays below k * PRIME**2 < 2**53, so they are exact; reductions use fmod, which is exact.
-    """
-    device = x.device
-    xs = x.to(torch.float64)
-    ys = y.to(torch.float64)
-    batch, k = xs.shape
-    master = _product_tree(xs)
-    powers = torch.empty(batch, k, k, dtype=torch.float64, device=device)
-    powers[:, :, 0] = 1.0
-    filled, x_to_filled = 1, xs
-    while filled < k:  # x^(filled + e) = x^e * x^filled: doubling, log2(k) steps
-        step = min(filled, k - filled)
-        powers[:, :, filled : filled + step] = torch.fmod(powers[:, :, :step] * x_to_filled.unsqueeze(-1), PRIME)
-        x_to_filled = torch.fmod(x_to_filled * x_to_filled, PRIME)
-        filled += step
-    degrees = torch.arange(1, k + 1, dtype=torch.float64, device=device)
-    derivative = torch.fmod(master[:, 1:] * degrees, PRIME)
-    at_roots = torch.fmod(torch.bmm(powers, derivative.unsqueeze(-1)).squeeze(-1), PRIME)
-    inverse = _device_inverses.get(device)
-    if inverse is None:
-        inverse = _device_inverses[device] = _inverses().to(device=device, dtype=torch.float64)
-    weights = torch.fmod(ys * inverse[at_roots.to(torch.int64)], PRIME)
-    moments = torch.fmod(torch.bmm(weights.unsqueeze(1), powers).squeeze(1), PRIME)
-    padded = torch.cat([master, master.new_zeros(batch, k)], dim=1)
-    coeffs = torch.fmod(torch.bmm(padded[:, _hankel_index(k, device)], moments.unsqueeze(-1)).squeeze(-1), PRIME)
-    return coeffs.to(torch.int64)
 
 
 def _pack(moduli: torch.Tensor | np.ndarray, coeffs: torch.Tensor | np.ndarray) -> list[bytes]:
@@ -274,7 +158,7 @@ def proofs_from_selection(indices: torch.Tensor, value_bits: torch.Tensor) -> li
 
 
 def _matrix_proofs(indices: torch.Tensor, value_bits: torch.Tensor) -> list[bytes]:
-    """Proofs through ``_lagrange_coefficients`` on the inputs' device (any device)."""
+    """Proofs through ``lagrange_coefficients`` on the inputs' device (any device)."""
     batch, k = indices.shape
     if batch == 0:
         return []
@@ -283,7 +167,7 @@ def _matrix_proofs(indices: torch.Tensor, value_bits: torch.Tensor) -> list[byte
     residues = x % moduli.unsqueeze(1)
     values = value_bits.to(torch.int64) % PRIME
     rows = max(1, _LAGRANGE_MAX_ELEMENTS // (k * k))
-    coeffs = torch.cat([_lagrange_coefficients(residues[i : i + rows], values[i : i + rows])
+    coeffs = torch.cat([lagrange_coefficients(residues[i : i + rows], values[i : i + rows])
                         for i in range(0, batch, rows)])
     return _pack(moduli.cpu(), coeffs.cpu())
 
@@ -308,7 +192,7 @@ def proof_words(chunks: torch.Tensor, rows: torch.Tensor, topk: int) -> torch.Te
     found, chosen = _first_injective(indices, PRIME - _positions(FIXED_CANDIDATES, flat.device))
     moduli = torch.where(found, chosen, 0)
     usable = torch.where(moduli > 0, moduli, PRIME)
-    coeffs = _lagrange_coefficients(indices % usable.unsqueeze(1), bits.to(torch.int64) % PRIME)
+    coeffs = lagrange_coefficients(indices % usable.unsqueeze(1), bits.to(torch.int64) % PRIME)
     return torch.cat([moduli.unsqueeze(1), coeffs, indices, bits.to(torch.int64)], dim=1)
 
 
@@ -324,7 +208,7 @@ def proofs_from_words(words: torch.Tensor, topk: int) -> list[bytes]:
         bits = torch.from_numpy(host[missing, 1 + 2 * topk :])
         found = _injective_moduli(indices)
         moduli[missing] = found.numpy()
-        coeffs[missing] = _newton_coefficients(indices % found.unsqueeze(1), bits % PRIME).numpy()
+        coeffs[missing] = newton_coefficients(indices % found.unsqueeze(1), bits % PRIME).numpy()
     return _pack(moduli, coeffs)
 
 
@@ -359,7 +243,7 @@ def _interpolate_checked(indices: torch.Tensor, value_bits: torch.Tensor, check:
         if bool((ordered[:, 1:] == ordered[:, :-1]).any()):
             raise ValueError("indices must be distinct within each row")
     moduli = _injective_moduli(x)
-    return _pack(moduli, _newton_coefficients(x % moduli.unsqueeze(1), y % PRIME))
+    return _pack(moduli, newton_coefficients(x % moduli.unsqueeze(1), y % PRIME))
 
 
 def build_chunk_proofs(chunks: Sequence[torch.Tensor] | torch.Tensor, topk: int,
