@@ -67,9 +67,11 @@ def hook_table() -> list[Hook]:
         Hook(f"{SRT}.model_executor.forward_batch_info.get_server_return_hidden_states_mode", AFTER,
              scheduler.server_capture_mode_after,
              "with --toploc-verification every batch (and every CUDA graph) captures LAST rows"),
+        Hook(f"{SCHED}.output_streamer.SchedulerOutputStreamer", REPLACE, toploc.RLOutputStreamer,
+             "sglang's streamer has slots: ours has a field for the scheduler's fingerprint pipeline"),
         Hook(f"{SRT}.managers.scheduler.Scheduler.__init__", AFTER, toploc.scheduler_init_after,
              "--toploc-verification: this scheduler's fingerprint pipeline, on the scheduler and the "
-             "parts whose hooks use it (result processor, output streamer, workers)"),
+             "parts whose hooks use it (output streamer, workers)"),
         Hook(f"{SRT}.managers.tp_worker.TpModelWorker.forward_batch_generation", AFTER,
              toploc.worker_forward_after, "the batch result carries the pipeline to its copy_to_cpu hook"),
         Hook(f"{SRT}.speculative.eagle_worker_v2.EAGLEWorkerV2.forward_batch_generation", AFTER,

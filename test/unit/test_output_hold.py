@@ -52,8 +52,8 @@ def pipeline(monkeypatch: pytest.MonkeyPatch) -> FingerprintPipeline:
 
 
 def _owned(pipeline: FingerprintPipeline, **fields) -> SimpleNamespace:
-    """A stand-in for a part of sglang's scheduler (streamer, result processor, the scheduler
-    itself) that carries the scheduler's pipeline, as `toploc.scheduler_init_after` leaves it."""
+    """A stand-in for a part of sglang's scheduler (its output streamer, or the scheduler itself)
+    that carries the scheduler's pipeline, as `toploc.scheduler_init_after` leaves it."""
     owner = SimpleNamespace(**fields)
     setattr(owner, adapter.ATTR, pipeline)
     return owner
@@ -169,7 +169,7 @@ def test_a_gpu_schedule_holds_a_finished_output_four_steps_at_most_and_none_when
     args = SimpleNamespace(toploc_verification=True, return_hidden_states_mode=None, drafter_cotrain=False,
                            toploc_verification_topk=TOPK)
     monkeypatch.setattr(scheduler, "get_server_args", lambda: args)
-    processor = _owned(pipeline, server_args=args, is_generation=True)
+    processor = SimpleNamespace(server_args=args, is_generation=True, output_streamer=_owned(pipeline))
     no_rows = SimpleNamespace(reqs=[], return_hidden_states=True)
     result = SimpleNamespace(copy_done=None, speculative_num_draft_tokens=None, accept_lens=None,
                              extend_input_len_per_req=[],

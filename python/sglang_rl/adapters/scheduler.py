@@ -221,7 +221,7 @@ def prefill_result_around(original: Callable, processor: Any, batch: Any, result
             elif isinstance(state, FingerprintBuilder) and req.inflight_middle_chunks <= 0:
                 builders.append(state)
                 last_rows.append(hi - 1)
-        pipeline = toploc.pipeline_of(processor)
+        pipeline = toploc.processor_pipeline(processor)
         if pipeline is not None and (builders or pipeline.holds_requests()):  # a prefill step counts too
             pipeline.add_builder_rows(builders, hidden, _topk(), starts=last_rows)
     return original(processor, batch, result)
@@ -242,7 +242,7 @@ def decode_result_around(original: Callable, processor: Any, batch: Any, result:
         else:  # a TOPLOC-only server has no row collectors to look for
             builders, starts, counts = toploc.decode_builders(batch.reqs, stride, accepted)
             collectors = []
-        pipeline = toploc.pipeline_of(processor)
+        pipeline = toploc.processor_pipeline(processor)
         if pipeline is not None and (builders or pipeline.holds_requests()):  # a step even without rows
             pipeline.add_builder_rows(builders, hidden, _topk(), counts, starts)
         if collectors:

@@ -16,11 +16,13 @@ n response tokens - are checked against the proofs with toploc's verifier.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
 from sglang.srt.managers.schedule_batch import FINISH_ABORT
+from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOutputStreamer
 
 from sglang_rl.adapters import transport
 from sglang_rl.adapters.request_state import fingerprint_of
@@ -34,8 +36,17 @@ from sglang_rl.request_options import FINGERPRINTS_FIELD, RESPONSE_START_KEY, RE
 
 ATTR = "_sglang_rl_fingerprints"
 """The attribute that carries a scheduler's pipeline on the objects its hooks are handed."""
-OWNERS = ("batch_result_processor", "output_streamer", "tp_worker", "model_worker")
-"""The scheduler's parts that carry its pipeline (besides the scheduler itself)."""
+OWNERS = ("output_streamer", "tp_worker", "model_worker")
+"""The scheduler's parts that carry its pipeline, besides the scheduler itself (its batch result
+processor, frozen, reaches it through its output streamer)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class RLOutputStreamer(SchedulerOutputStreamer):
+    """sglang's output streamer with a field for its scheduler's fingerprint pipeline: sglang's
+    class has slots, so it takes no attribute that is not a field."""
+
+    _sglang_rl_fingerprints: Optional[FingerprintPipeline] = None
 
 
 def thresholds_from_server_args(server_args: Any) -> ThresholdPolicy:
@@ -61,7 +72,6 @@ def thresholds_from_server_args(server_args: Any) -> ThresholdPolicy:
     return ThresholdPolicy(full=base, source=source)
 
 
-
 def new_pipeline(device: Optional[torch.device], settings: PipelineSettings = PipelineSettings(),
                  prover: Optional[DeviceProver] = None) -> FingerprintPipeline:
     """A pipeline whose fingerprints go out on their requests' responses."""
@@ -82,7 +92,9 @@ def scheduler_device(server_args: Any) -> Optional[torch.device]:
 
 def scheduler_init_after(result: None, scheduler: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER Scheduler.__init__: one fingerprint pipeline per scheduler process of a
-    --toploc-verification server, on the scheduler and on its parts whose hooks use it."""
+    --toploc-verification server, on the scheduler and on its parts whose hooks use it (the
+    output streamer is an `RLOutputStreamer`: a streamer of another class fails here, loudly,
+    rather than a server that never sends its fingerprints)."""
     if not getattr(scheduler.server_args, "toploc_verification", False):
         return
     pipeline = new_pipeline(scheduler_device(scheduler.server_args))
@@ -97,6 +109,11 @@ def pipeline_of(owner: Any) -> Optional[FingerprintPipeline]:
     """The pipeline of the scheduler that `owner` (a part of it, or a batch result) belongs to;
     None on a server without --toploc-verification."""
     return getattr(owner, ATTR, None)
+
+
+def processor_pipeline(processor: Any) -> Optional[FingerprintPipeline]:
+    """The pipeline of a batch result processor's scheduler (found on its output streamer)."""
+    return getattr(getattr(processor, "output_streamer", None), ATTR, None)
 
 
 def worker_forward_after(result: Any, worker: Any, *args: Any, **kwargs: Any) -> Any:
