@@ -1,7 +1,8 @@
-"""The scheduler-side k-CBS driver (`sglang_rl.adapters.kcbs`) on stand-in requests and a real
-`req_to_token` table: beams forked in place hold their own tokens' KV and free every slot once,
-beams are admitted together, partial groups, preempted or aborted beams and aborts of the parent
-end the search, and the k-CBS request validation messages."""
+"""The scheduler-side k-CBS driver (`sglang_rl.adapters.kcbs`, with the scheduler's
+`KcbsManager`) on stand-in requests and a real `req_to_token` table: beams forked in place hold
+their own tokens' KV and free every slot once, beams are admitted together, partial groups,
+preempted or aborted beams and aborts of the parent end the search, and the k-CBS request
+validation messages."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH
 from sglang.srt.managers.schedule_policy import AddReqResult
 
-from sglang_rl.adapters import kcbs
+from sglang_rl.adapters import kcbs, kcbs_manager
 from sglang_rl.adapters.request_state import kcbs_beam_of, kcbs_search_of, state_of
 from sglang_rl.request_options import RequestOptionError, validate_kcbs
 
@@ -53,6 +54,7 @@ class FakeScheduler:
         self.streamed = []
         self.enable_hicache_storage = False
         self.output_streamer = SimpleNamespace(stream_output=lambda reqs, lp: self.streamed.extend(reqs))
+        self.tp_worker = SimpleNamespace(model_runner=SimpleNamespace())
 
     def init_req_max_new_tokens(self, req):
         pass
@@ -67,16 +69,17 @@ class FakeScheduler:
 @pytest.fixture
 def sched(monkeypatch):
     s = FakeScheduler()
-    monkeypatch.setattr(kcbs, "Req", FakeReq)
-    monkeypatch.setattr(kcbs, "_scheduler", s)
-    monkeypatch.setattr(kcbs, "_active", {})
+    monkeypatch.setattr(kcbs_manager, "Req", FakeReq)
+    kcbs.scheduler_init_after(None, s)  # the scheduler's KcbsManager, also on its model runner
     return s
 
 
-def _parent(k=2, steps=3, rid="p1"):
+def _parent(sched, k=2, steps=3, rid="p1"):
+    """A k-CBS request, queued by `sched` (its search joins the scheduler's manager there)."""
     sp = SimpleNamespace(max_new_tokens=0, stop_token_ids=None, custom_params={})
     req = FakeReq(rid, "", [1, 2, 3], sp)
     state_of(req).kcbs_search = kcbs.KcbsSearch(req, k, steps, False)
+    kcbs.add_request_to_queue_around(lambda scheduler, r: None, sched, req)
     return req
 
 
@@ -108,13 +111,14 @@ def _running(beams, first_row=1):
     return table, holds
 
 
-def _sample(batch, logits):
-    kcbs._batch = batch
-    try:
-        return kcbs.sample_around(lambda runner, out, fb: torch.zeros(len(batch.reqs), dtype=torch.long),
-                                  None, SimpleNamespace(next_token_logits=logits), None)
-    finally:
-        kcbs._batch = None
+def _sample(sched, batch, logits):
+    """One forward of `batch` through the worker and sample hooks (sglang itself samples zeros)."""
+    def sglang_sample(runner, out, fb):
+        return torch.zeros(len(batch.reqs), dtype=torch.long)
+
+    out = SimpleNamespace(next_token_logits=logits)
+    return kcbs.worker_forward_around(
+        lambda worker, b: kcbs.sample_around(sglang_sample, worker.model_runner, out, None), sched.tp_worker, batch)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -125,7 +129,7 @@ def test_forked_rows_hold_each_beams_tokens_and_every_slot_is_freed_once(sched, 
     next to an ordinary request in the same batch whose row is never touched."""
     gen = torch.Generator().manual_seed(seed)
     k, steps = 3, 6
-    parent = _parent(k=k, steps=steps)
+    parent = _parent(sched, k=k, steps=steps)
     parent.finish_with([-0.1, -1.0, -2.5], [4, 5, 6])
     assert kcbs.filter_outputs([parent]) == []
     search = kcbs_search_of(parent)
@@ -144,7 +148,7 @@ def test_forked_rows_hold_each_beams_tokens_and_every_slot_is_freed_once(sched, 
     next_slot = 200
     while not search.done:
         logits = torch.randn(len(batch.reqs), VOCAB, generator=gen) * 3
-        next_ids = _sample(batch, logits)
+        next_ids = _sample(sched, batch, logits)
         assert next_ids[1] == 0  # the ordinary request keeps its own sample
         p = beams[0].kv_committed_len - 1
         for j, r in enumerate(beams):
@@ -164,7 +168,7 @@ def test_forked_rows_hold_each_beams_tokens_and_every_slot_is_freed_once(sched, 
             r.kv_committed_len += 1
     assert search.step == steps or all(b.finished for b in search.beams)
     assert all(isinstance(r.to_finish, FINISH_LENGTH) for r in beams)
-    assert sched.streamed == [parent] and len(state_of(parent).pending_payload[kcbs.CANDIDATES_FIELD]) == k
+    assert sched.streamed == [parent] and len(state_of(parent).pending_payload[kcbs_manager.CANDIDATES_FIELD]) == k
     freed = []
 
     def release(req, tree_cache):
@@ -178,13 +182,13 @@ def test_forked_rows_hold_each_beams_tokens_and_every_slot_is_freed_once(sched, 
 
 
 def test_beams_not_all_in_one_batch_end_the_search(sched):
-    parent = _parent(k=2, steps=4)
+    parent = _parent(sched, k=2, steps=4)
     search = _start(sched, parent)
     a, b = _children(sched)
     sched.waiting_queue.remove(a)
     table, _ = _running([a])
     sched.req_to_token_pool = SimpleNamespace(req_to_token=table)
-    next_ids = _sample(SimpleNamespace(reqs=[a]), torch.zeros(1, VOCAB))
+    next_ids = _sample(sched, SimpleNamespace(reqs=[a]), torch.zeros(1, VOCAB))
     assert next_ids.tolist() == [0]  # sampled as sglang would; nothing forked
     assert search.done and parent.finished_reason.status_code == 503
     assert isinstance(a.to_finish, FINISH_ABORT) and b not in sched.waiting_queue
@@ -193,7 +197,7 @@ def test_beams_not_all_in_one_batch_end_the_search(sched):
 def test_a_preempted_beam_ends_its_search(sched):
     """A beam released before it finished (sglang retracted it) ends the search; the other beam
     stops, and the retracted one is marked so that it does not run again."""
-    parent = _parent(k=2, steps=5)
+    parent = _parent(sched, k=2, steps=5)
     search = _start(sched, parent)
     a, b = _children(sched)
     sched.waiting_queue.clear()
@@ -205,7 +209,7 @@ def test_a_preempted_beam_ends_its_search(sched):
 
 
 def test_a_beam_finished_by_an_abort_ends_the_search(sched):
-    parent = _parent(k=2, steps=5)
+    parent = _parent(sched, k=2, steps=5)
     search = _start(sched, parent)
     a, b = _children(sched)
     sched.waiting_queue.clear()
@@ -215,7 +219,7 @@ def test_a_beam_finished_by_an_abort_ends_the_search(sched):
     kcbs.release_kv_cache_around(lambda req, tc: None, a, None)
     assert search.done and isinstance(parent.finished_reason, FINISH_ABORT)
     assert list(parent.output_ids) == [] and not state_of(parent).pending_payload
-    assert isinstance(b.to_finish, FINISH_ABORT) and not kcbs._active
+    assert isinstance(b.to_finish, FINISH_ABORT) and not kcbs.manager_of(sched).active
 
 
 class FakeAdder:
@@ -232,7 +236,7 @@ class FakeAdder:
 
 @pytest.mark.parametrize("slots, tokens, admitted", [(4, 1000, 3), (2, 1000, 0), (4, 10, 0)])
 def test_beams_are_admitted_together_or_not_at_all(sched, slots, tokens, admitted):
-    parent = _parent(k=3, steps=4)
+    parent = _parent(sched, k=3, steps=4)
     parent.finish_with([-0.1, -1.0, -2.5], [4, 5, 6])
     kcbs.filter_outputs([parent])
     adder = FakeAdder(slots, tokens)
@@ -249,8 +253,8 @@ def test_beams_are_admitted_together_or_not_at_all(sched, slots, tokens, admitte
 
 
 def test_abort_request_of_the_parent_ends_the_search(sched):
-    parent = _parent(k=2, steps=5, rid="abc")
-    other = _parent(k=2, steps=5, rid="xyz")
+    parent = _parent(sched, k=2, steps=5, rid="abc")
+    other = _parent(sched, k=2, steps=5, rid="xyz")
     search = _start(sched, parent)
     other_search = _start(sched, other)
     a, b = [c for c in _children(sched) if c.rid.startswith("abc")]
@@ -264,11 +268,11 @@ def test_abort_request_of_the_parent_ends_the_search(sched):
     assert not other_search.done and len([c for c in sched.waiting_queue if c.rid.startswith("xyz")]) == 2
     kcbs.abort_request_around(FakeScheduler.abort_request, sched,
                               SimpleNamespace(rid="", abort_all=True, abort_message=None))
-    assert other_search.done and sched.streamed == [parent, other] and not kcbs._active
+    assert other_search.done and sched.streamed == [parent, other] and not kcbs.manager_of(sched).active
 
 
 def test_a_parent_aborted_before_its_prefill_returns_as_is(sched):
-    parent = _parent()
+    parent = _parent(sched)
     parent.finished_reason = FINISH_ABORT("Aborted")
     assert kcbs.filter_outputs([parent]) == [parent] and not sched.waiting_queue
 
@@ -300,76 +304,11 @@ def test_generate_stream_is_refused_at_construction():
     RLGenerateReqInput(text="hi", kcbs_enabled=True)
 
 
-def _dense_step(search_list, dense_rows):
-    """What one search's step gives from full-vocabulary log-probs (the engine-agnostic core)."""
-    import torch
-
-    from sglang_rl.kcbs import kcbs_step
-
-    out = []
-    for search, rows in zip(search_list, dense_rows):
-        n = len(search.beams)
-        sel = kcbs_step(
-            rows, torch.zeros(n, dtype=torch.long),
-            torch.tensor([b.score for b in search.beams], dtype=torch.float64),
-            torch.tensor([b.raw for b in search.beams], dtype=torch.float64),
-            torch.tensor([b.finished for b in search.beams]),
-            torch.tensor([search.k]), torch.tensor([search.keep_all and search.step + 1 >= search.steps]),
-        )
-        out.append([(p, t, round(sc, 9), round(r, 9), f) for p, t, sc, r, f in zip(
-            sel.parent_beam.tolist(), sel.token.tolist(), sel.score.tolist(), sel.raw.tolist(),
-            sel.finished.tolist())])
-    return out
-
-
-@pytest.mark.parametrize("seed", range(6))
-def test_batched_compact_step_equals_dense_step_per_search(seed):
-    """`_advance_all` feeds kcbs_step only sglang's top-k pairs, for several searches at once, in
-    whatever order sglang lists tied tokens; it must pick what the dense per-search step picks
-    (ties: lower token id first)."""
-    import random
-
-    import torch
-
-    rng = random.Random(seed)
-    searches, dense, tops_all = [], [], []
-    for r in range(4):
-        k = rng.choice([1, 2, 3, 4])
-        search = kcbs.KcbsSearch(FakeReq(f"s{r}", "", [1, 2], SimpleNamespace(stop_token_ids=None)), k, 3,
-                                 keep_all=rng.random() < 0.5)
-        search.step = rng.choice([0, 2])
-        n = rng.randint(1, k)
-        search.beams = [kcbs.Beam([rng.randrange(VOCAB)], -rng.random(), -2 * rng.random(),
-                                  rng.random() < 0.3, "length") for _ in range(n)]
-        # few distinct values: many ties, also across the k-th boundary
-        rows = torch.log_softmax(torch.tensor([[float(rng.randint(0, 3)) for _ in range(VOCAB)]
-                                               for _ in range(n)], dtype=torch.float64), dim=-1)
-        tops = []
-        for b in range(n):
-            order = sorted(range(VOCAB), key=lambda t: (-rows[b, t].item(), t))
-            kth = rows[b, order[k - 1]].item()
-            chosen = [t for t in order if rows[b, t].item() > kth]
-            chosen += [t for t in order if rows[b, t].item() == kth][: k - len(chosen)]
-            rng.shuffle(chosen)  # sglang's own order among its top-k is not the tie rule
-            tops.append(([rows[b, t].item() for t in chosen], chosen))
-        searches.append(search)
-        dense.append(rows)
-        tops_all.append(tops)
-    expected = _dense_step(searches, dense)
-    before = [list(s.beams) for s in searches]
-    kcbs._advance_all(list(zip(searches, tops_all)))
-    for search, old, exp in zip(searches, before, expected):
-        got = [(b.tokens, round(b.score, 9), round(b.raw, 9), b.finished) for b in search.beams]
-        want = [(old[p].tokens if f else old[p].tokens + [t], sc, r, f or (t in search.eos_ids()))
-                for p, t, sc, r, f in exp]
-        assert got == want
-
-
 def test_a_beam_dropped_by_a_waiting_timeout_ends_its_search(sched, monkeypatch):
     """AROUND _abort_on_waiting_timeout: sglang drops a queued beam request for waiting too long;
     its search ends with 503, the other search keeps its beams."""
     monkeypatch.setattr(kcbs.envs.SGLANG_REQ_WAITING_TIMEOUT, "get", lambda: 5.0)
-    parent, other = _parent(rid="late"), _parent(rid="fine")
+    parent, other = _parent(sched, rid="late"), _parent(sched, rid="fine")
     search, other_search = _start(sched, parent), _start(sched, other)
     late_beam = next(c for c in _children(sched) if c.rid.startswith("late"))
 
@@ -387,7 +326,7 @@ def test_a_beam_evicted_from_a_full_queue_ends_its_search(sched):
     """AROUND _add_request_to_queue: with priority scheduling and a queue limit, adding a request
     can evict a queued beam request; its search ends."""
     sched.enable_priority_scheduling, sched.max_queued_requests = True, 2
-    parent = _parent(rid="evicted")
+    parent = _parent(sched, rid="evicted")
     search = _start(sched, parent)
     victim = _children(sched)[0]
 

@@ -17,7 +17,7 @@ from sglang.srt.managers.io_struct import GenerateReqInput
 
 from sglang_rl.adapters import hidden_states as hs_adapter
 from sglang_rl.adapters import rollout_records, transport
-from sglang_rl.adapters.kcbs import CANDIDATES_FIELD
+from sglang_rl.adapters.kcbs_manager import CANDIDATES_FIELD
 from sglang_rl.fingerprint.sampling import DEFAULT_MAX_Z
 from sglang_rl.fingerprint.sampling import TOP_N as SAMPLING_TOP_N
 from sglang_rl.request_options import (

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Optional
 if TYPE_CHECKING:
     from sglang_rl.adapters.cotrain import CotrainRows
     from sglang_rl.adapters.hidden_states import RowCollector
-    from sglang_rl.adapters.kcbs import KcbsSearch
+    from sglang_rl.adapters.kcbs_manager import KcbsSearch
 
 ATTR = "_sglang_rl"
 
