@@ -163,7 +163,9 @@ def hook_table() -> list[Hook]:
              "/update_draft_weights_from_disk and /get_draft_weights_by_name before uvicorn starts"),
         # --- drafter co-training ---------------------------------------------------------------
         Hook(f"{SRT}.managers.scheduler.Scheduler.__init__", AFTER, cotrain.scheduler_init_after,
-             "--drafter-cotrain: start the co-training process beside the scheduler"),
+             "--drafter-cotrain: start the co-training process beside the scheduler, which keeps its runtime"),
+        Hook(f"{SRT}.managers.scheduler.Scheduler._add_request_to_queue", BEFORE, cotrain.add_request_before,
+             "the co-training runtime adopts each queued request: its rows, and its count at finish"),
         Hook(f"{SRT}.managers.scheduler.Scheduler.init_request_dispatcher", AFTER,
              cotrain.request_dispatcher_after, "the scheduler answers the co-training stats request"),
         Hook(f"{SRT}.managers.scheduler.Scheduler.process_input_requests", BEFORE,

@@ -1,9 +1,10 @@
 """Scheduler side of `--drafter-cotrain`: rows of finished rollouts in, new draft weights out.
 
-Every request on a co-training server (unless it sets `drafter_cotrain: false`) gets a
-`CotrainRows` collector: the last `window` rows the target computed for it anyway (EAGLE's
-target captures them for its draft), routed by the same prefill/decode hooks as user-requested
-rows, never limiting the radix cache. When the request finishes, its ids, rows and the policy
+The scheduler keeps its `CotrainRuntime` (`runtime_of`), and every request it queues is adopted
+by it: counted when it finishes, and (unless it sets `drafter_cotrain: false`) given a
+`CotrainRows` collector (`adapters/cotrain_rows.py`): the last `window` rows the target computed
+for it anyway (EAGLE's target captures them for its draft), routed by the same prefill/decode
+hooks as user-requested rows, never limiting the radix cache. When the request finishes, its ids, rows and the policy
 version are posted to the co-training process (`sglang_rl.drafter.cotrain`), which trains in
 rounds off the scheduler loop. Between two batches the scheduler takes finished rounds from the
 outbox and loads them through the draft-only weight update (`adapters.drafter_weights`).
@@ -26,22 +27,24 @@ from typing import Any, Optional
 import torch
 
 from sglang.srt.managers.io_struct import GetWeightsByNameReqInput, GetWeightsByNameReqOutput
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 
-from sglang_rl.adapters.request_state import cotrain_rows_of, state_of
+from sglang_rl.adapters.cotrain_rows import CotrainRows
+from sglang_rl.adapters.request_state import cotrain_rows_of, kcbs_beam_of, kcbs_search_of, peek, state_of
 from sglang_rl.drafter.cotrain import (
     CotrainConfig,
-    RolloutSample,
     cotrain_main,
     from_wire,
     sample_to_wire,
     to_wire,
 )
-from sglang_rl.hidden_states import HiddenStatesFormat, HiddenStatesMode, HiddenStatesOptions, HiddenStatesScope
+from sglang_rl.request_options import options_of
 
 logger = logging.getLogger(__name__)
 
 OPT_OUT_KEY = "cotrain_opt_out"
 STATS_NAME = "__sglang_rl_drafter_cotrain_stats__"
+ATTR = "_sglang_rl_cotrain"
 
 
 def config_from_args(server_args: Any) -> CotrainConfig:
@@ -81,39 +84,6 @@ def _checksum(embed: torch.Tensor, head: torch.Tensor) -> tuple[float, ...]:
         return float(sample.sum()), float(sample.square().sum())
 
     return one(embed) + one(head)
-
-
-class CotrainRows:
-    """The last `window` rows of one request, kept in memory for its training sample."""
-
-    def __init__(self, prompt_len: int, window: int) -> None:
-        from sglang_rl.adapters.hidden_states import RowCollector
-
-        options = HiddenStatesOptions(mode=HiddenStatesMode.FULL, format=HiddenStatesFormat.TENSOR,
-                                      scope=HiddenStatesScope.LAST_N, last_n=window)
-        # its own attribute on the request, so it never limits the radix cache (prefix_limit
-        # applies to user-requested rows only): it takes the prompt rows that were computed
-        self.rows = RowCollector(options, prompt_len, stores=True)
-
-    def sample(self, req: Any, policy_version: int) -> Optional[RolloutSample]:
-        """The training sample of a finished request: the longest run of consecutive rows that
-        ends at its last committed token's input (rows past the finish are dropped)."""
-        collector = self.rows
-        collector.done = True
-        ids = list(req.origin_input_ids) + list(req.output_ids_through_stop)
-        end = len(ids) - 1  # the last token's row would predict a token that was never sampled
-        index = {p: i for i, p in enumerate(collector.positions)}
-        first = end - 1
-        if first not in index:
-            return None
-        while first - 1 in index and end - (first - 1) <= collector.options.last_n:
-            first -= 1
-        rows = torch.stack([collector.rows[index[p]][0][collector.rows[index[p]][1]]
-                            for p in range(first, end)])
-        collector.rows, collector.positions = [], []
-        return RolloutSample(input_ids=torch.tensor(ids[first:end], dtype=torch.long), rows=rows.float(),
-                             response_start=max(len(req.origin_input_ids) - first, 0),
-                             policy_version=policy_version)
 
 
 @dataclasses.dataclass
@@ -168,9 +138,18 @@ class CotrainRuntime:
     def draft_round(self) -> int:
         return len(self.rounds)
 
-    def attach(self, req: Any, options: dict) -> None:
-        if not options.get(OPT_OUT_KEY):
-            state_of(req).cotrain_rows = CotrainRows(len(req.origin_input_ids), self.window)
+    def adopt(self, req: Any) -> None:
+        """A request the scheduler queues: count it when it finishes, and collect its rows unless
+        it opted out (a k-CBS request has none: its output is assembled from its beams, which are
+        internal requests and never counted). A retracted request queued again keeps its own."""
+        state = state_of(req)
+        if state.cotrain_runtime is not None or kcbs_beam_of(req) is not None:
+            return
+        state.cotrain_runtime = self
+        options = options_of(getattr(req.sampling_params, "custom_params", None))
+        if kcbs_search_of(req) is None and not options.get(OPT_OUT_KEY):
+            state.cotrain_rows = CotrainRows(len(req.origin_input_ids), self.window)
+            req.return_hidden_states_mode = max(req.return_hidden_states_mode, CaptureHiddenMode.LAST)
 
     def finished(self, req: Any) -> None:
         """Count the request's acceptance; post its sample unless it opted out or was aborted."""
@@ -331,24 +310,38 @@ class _Metrics:
                 gauge.set(value)
 
 
-_runtime: Optional[CotrainRuntime] = None
+def runtime_of(scheduler: Any) -> Optional[CotrainRuntime]:
+    """The co-training runtime a scheduler keeps (None when it does not co-train)."""
+    return getattr(scheduler, ATTR, None)
 
 
-def runtime() -> Optional[CotrainRuntime]:
-    return _runtime
+def count_finished(req: Any) -> None:
+    """A request finishing in an output batch: the runtime that adopted it counts it (once)."""
+    state = peek(req)
+    runtime = state.cotrain_runtime if state is not None else None
+    if runtime is not None:
+        runtime.finished(req)
 
 
 # --- hooks ---------------------------------------------------------------------------------------
 
 
 def scheduler_init_after(result: Any, scheduler: Any, server_args: Any, *args: Any, **kwargs: Any) -> None:
-    """AFTER Scheduler.__init__: start the co-training process (on the rank that streams outputs)."""
-    global _runtime
-    if not getattr(server_args, "drafter_cotrain", False) or _runtime is not None:
+    """AFTER Scheduler.__init__: start the co-training process (on the rank that streams outputs);
+    the scheduler keeps its runtime."""
+    if not getattr(server_args, "drafter_cotrain", False) or runtime_of(scheduler) is not None:
         return
     if getattr(scheduler, "tp_rank", 0) != 0:
         return
-    _runtime = CotrainRuntime(server_args)
+    setattr(scheduler, ATTR, CotrainRuntime(server_args))
+
+
+def add_request_before(scheduler: Any, req: Any, *args: Any, **kwargs: Any) -> None:
+    """BEFORE Scheduler._add_request_to_queue: the scheduler's runtime adopts the request (the
+    first point where a new request and its scheduler meet; its rows start with its prefill)."""
+    runtime = runtime_of(scheduler)
+    if runtime is not None:
+        runtime.adopt(req)
 
 
 class CotrainStatsReqInput(GetWeightsByNameReqInput, kw_only=True):
@@ -356,7 +349,8 @@ class CotrainStatsReqInput(GetWeightsByNameReqInput, kw_only=True):
 
 
 def stats_request(scheduler: Any, req: CotrainStatsReqInput) -> GetWeightsByNameReqOutput:
-    rt = runtime()
+    """The scheduler's answer to the stats request (None on a server that does not co-train)."""
+    rt = runtime_of(scheduler)
     if rt is not None:
         rt.poll(scheduler)
     return GetWeightsByNameReqOutput(parameter=rt.stats() if rt is not None else None)
@@ -373,14 +367,15 @@ def request_dispatcher_after(result: Any, scheduler: Any, *args: Any, **kwargs: 
 
 def process_input_requests_before(scheduler: Any, *args: Any, **kwargs: Any) -> None:
     """BEFORE Scheduler.process_input_requests: load finished training rounds into the draft."""
-    rt = runtime()
+    rt = runtime_of(scheduler)
     if rt is not None:
         rt.poll(scheduler)
 
 
-def weight_update_after(result: Any, *args: Any, **kwargs: Any) -> Any:
-    """AFTER sglang's target weight updates: a successful one starts a new policy version."""
-    rt = runtime()
+def weight_update_after(result: Any, updater: Any, *args: Any, **kwargs: Any) -> Any:
+    """AFTER sglang's target weight updates (SchedulerWeightUpdaterManager, which knows its
+    scheduler): a successful one starts a new policy version."""
+    rt = runtime_of(getattr(updater, "scheduler", None))
     if rt is not None and getattr(result, "success", False):
         rt.policy_updated()
     return result

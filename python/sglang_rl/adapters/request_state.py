@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:
-    from sglang_rl.adapters.cotrain import CotrainRows
+    from sglang_rl.adapters.cotrain import CotrainRuntime
+    from sglang_rl.adapters.cotrain_rows import CotrainRows
     from sglang_rl.adapters.hidden_states import RowCollector
     from sglang_rl.adapters.kcbs_manager import KcbsSearch
 
@@ -30,6 +31,8 @@ class RequestState:
     """k-CBS: the search of a request that asked for candidates."""
     kcbs_beam: Optional[tuple] = None
     """k-CBS: (search, beam index) of a beam request the search queued."""
+    cotrain_runtime: Optional["CotrainRuntime"] = None
+    """Drafter co-training: the runtime of the scheduler that queued the request (counts it)."""
     cotrain_rows: Optional["CotrainRows"] = None
     """Drafter co-training: the rows of a rollout that feeds the trainer."""
     cotrain_counted: bool = False

@@ -77,11 +77,6 @@ def req_init_after(result: None, req: Any, *args: Any, **kwargs: Any) -> None:
         needed = CaptureHiddenMode.FULL if collector.needs_prompt_rows else CaptureHiddenMode.LAST
         req.return_hidden_states_mode = max(req.return_hidden_states_mode, needed)
         state_of(req).hidden_states = collector
-    trainer = cotrain.runtime()
-    if trainer is not None:
-        trainer.attach(req, options)
-        if cotrain_rows_of(req) is not None:
-            req.return_hidden_states_mode = max(req.return_hidden_states_mode, CaptureHiddenMode.LAST)
 
 
 def _row_collectors(req: Any) -> list:
@@ -317,10 +312,8 @@ def _finish_rows(reqs: list, pipeline: Any) -> None:
     if not finished:
         return
     finishing, collectors = [], []
-    trainer = cotrain.runtime()
     for req in finished:
-        if trainer is not None:
-            trainer.finished(req)
+        cotrain.count_finished(req)
         state = fingerprint_of(req)
         if isinstance(state, FingerprintBuilder) and not state.done:
             finishing.append((state, req))
