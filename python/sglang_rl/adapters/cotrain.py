@@ -189,7 +189,7 @@ class CotrainRuntime:
     def send_target_head(self, scheduler: Any) -> None:
         """Once rollouts run on the updated target, give the trainer the target's embedding and
         LM head if the update changed them (training reads them from disk only at start)."""
-        from sglang_rl.adapters.drafter_weights import find_eagle_draft, same_tensor
+        from sglang_rl.adapters.eagle_draft import find_eagle_draft, same_tensor
 
         eagle, _ = find_eagle_draft(getattr(scheduler, "draft_worker", None))
         if eagle is None:

@@ -8,8 +8,9 @@ requests (registered as IPC types and in the scheduler's request dispatcher, see
 * `DraftWeightsFromDiskReqInput`: a drafter folder (``*.safetensors``) on the server;
 * `DraftWeightsByNameReqInput`: read a draft weight back (like sglang's get_weights_by_name).
 
-An update is checked in full against the live draft model (`sglang_rl.draft_weight_check`) and
-refused with the reason before anything is loaded. The draft's embedding and LM head are the
+An update is checked in full against the live draft model (`sglang_rl.draft_weight_check`, with
+the model described by `adapters/eagle_draft.py`) and refused with the reason before anything is
+loaded. The draft's embedding and LM head are the
 target's own tensors, so a draft update may not carry them. The update does not wait for running
 requests: their tokens are verified by the unchanged target, so a new draft changes only how many
 draft tokens are accepted, never the output. The cache is flushed only when the server is idle.
@@ -34,7 +35,7 @@ import math
 import time
 from functools import partial
 from multiprocessing import AuthenticationError
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 from sglang.srt.managers.io_struct import (
@@ -46,10 +47,9 @@ from sglang.srt.managers.io_struct import (
     hook_custom_types,
 )
 
+from sglang_rl.adapters.eagle_draft import draft_spec, find_eagle_draft, resync_shared_tensors
 from sglang_rl.draft_weight_check import (
     DraftWeightError,
-    DraftWeightSpec,
-    ParamInfo,
     TensorInfo,
     check_update,
     checkpoint_entries,
@@ -58,8 +58,6 @@ from sglang_rl.draft_weight_check import (
 
 logger = logging.getLogger(__name__)
 
-NO_DRAFT = ("this server has no draft model: start it with --speculative-algorithm EAGLE "
-            "--speculative-draft-model-path DIR for draft-only weight updates")
 LOAD_FORMATS = (None, "flattened_bucket")
 
 
@@ -80,84 +78,6 @@ class DraftWeightsByNameReqInput(GetWeightsByNameReqInput, kw_only=True):
 
 
 REQUEST_TYPES = (DraftWeightsFromTensorReqInput, DraftWeightsFromDiskReqInput, DraftWeightsByNameReqInput)
-
-
-# --- the draft model -----------------------------------------------------------------------------
-
-
-def _eagle_draft_classes() -> tuple[type, ...]:
-    from sglang.srt.models.llama_eagle import LlamaForCausalLMEagle
-    from sglang.srt.models.qwen2_eagle import Qwen2ForCausalLMEagle
-
-    return LlamaForCausalLMEagle, Qwen2ForCausalLMEagle
-
-
-def find_eagle_draft(draft_worker: Any) -> tuple[Optional[Any], str]:
-    """(sglang's EagleDraftWorker, "") when the server's draft is an EAGLE-1/2 Llama/Qwen2 drafter,
-    else (None, why draft-only updates cannot serve this server)."""
-    if draft_worker is None:
-        return None, NO_DRAFT
-    inner = getattr(draft_worker, "draft_worker", None)
-    runner = getattr(inner, "draft_runner", None)
-    if runner is None:
-        return None, f"this server's speculative worker ({type(draft_worker).__name__}) has no draft model to update"
-    classes = _eagle_draft_classes()
-    if not isinstance(runner.model, classes):
-        names = ", ".join(c.__name__ for c in classes)
-        return None, (f"draft-only updates support EAGLE-1/2 drafters ({names}); "
-                      f"this server's draft is {type(runner.model).__name__}")
-    return inner, ""
-
-
-def _checkpoint_name(param_name: str) -> str:
-    """Draft parameter name -> the checkpoint name its loader takes (EAGLE-1/2 drafters prefix
-    every name but lm_head with ``model.``)."""
-    return param_name.removeprefix("model.")
-
-
-def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.data_ptr() == b.data_ptr() and a.shape == b.shape
-
-
-def _param_info(model: torch.nn.Module, param_name: str, param: torch.Tensor) -> ParamInfo:
-    """A draft parameter in checkpoint terms: full shape, and the pieces of a fused one."""
-    from sglang.srt.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear
-
-    module_name, _, leaf = param_name.rpartition(".")
-    module = model.get_submodule(module_name)
-    name = _checkpoint_name(param_name)
-    if leaf not in ("weight", "bias") or not isinstance(module, LinearBase):
-        return ParamInfo(name, tuple(param.shape))
-    parts = local = None
-    if isinstance(module, QKVParallelLinear):
-        kv = module.total_num_kv_heads
-        parts = (module.total_num_heads * module.head_size, kv * module.head_size, kv * module.v_head_size)
-        local = (module.q_proj_shard_size, module.kv_proj_shard_size, module.v_proj_shard_size)
-    elif isinstance(module, MergedColumnParallelLinear):
-        parts = tuple(int(s) for s in module.output_sizes)
-        local = tuple(s // module.tp_size for s in parts)
-    out_size = sum(parts) if parts else module.output_size
-    shape = (out_size, module.input_size) if leaf == "weight" else (out_size,)
-    return ParamInfo(name, shape, parts, local)
-
-
-def draft_spec(eagle: Any) -> tuple[DraftWeightSpec, dict[str, torch.Tensor]]:
-    """The loadable tensors of the live draft model, and its parameters by checkpoint name."""
-    model = eagle.draft_runner.model
-    embed, head = eagle.target_worker.model_runner.model.get_embed_and_head()
-    params: dict[str, torch.Tensor] = {}
-    infos: list[ParamInfo] = []
-    shared: dict[str, str] = {}
-    for param_name, param in model.named_parameters(remove_duplicate=False):
-        name = _checkpoint_name(param_name)
-        params[name] = param
-        if same_tensor(param, embed) or same_tensor(param, head):
-            shared[name] = "the draft uses the target's embedding and LM head, which a target update changes"
-        elif "lm_head" in name.split("."):
-            shared[name] = "sglang's EAGLE draft loader never loads an lm_head"
-        else:
-            infos.append(_param_info(model, param_name, param))
-    return DraftWeightSpec.from_params(infos, shared), params
 
 
 # --- incoming tensors ----------------------------------------------------------------------------
@@ -357,26 +277,6 @@ def request_dispatcher_after(result: Any, scheduler: Any, *args: Any, **kwargs: 
         (DraftWeightsFromDiskReqInput, partial(update_from_disk, scheduler)),
         (DraftWeightsByNameReqInput, partial(get_by_name, scheduler)),
     ])
-
-
-def resync_shared_tensors(eagle: Any) -> None:
-    """Make the draft's embedding and LM head equal the target's again after a target update.
-
-    They are normally the target's own tensors, updated in place with it (nothing to do). Under
-    --speculative-token-map the draft's head is a row-subset copy, refreshed here in place so that
-    the draft's CUDA graphs keep pointing at it."""
-    embed, head = eagle.target_worker.model_runner.model.get_embed_and_head()
-    draft_embed, draft_head = eagle.draft_runner.model.get_embed_and_head()
-    hot = getattr(eagle, "hot_token_id", None)
-    with torch.no_grad():
-        for dst, src in ((draft_embed, embed), (draft_head, head if hot is None else head[hot])):
-            if same_tensor(dst, src):
-                continue
-            if dst.shape != src.shape:
-                logger.warning("draft tensor %s is not a copy of the target's %s; left as it is",
-                               tuple(dst.shape), tuple(src.shape))
-                continue
-            dst.data.copy_(src)
 
 
 def target_update_from_tensor_around(original: Callable, manager: Any, recv_req: Any) -> Any:
