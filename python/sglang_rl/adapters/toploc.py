@@ -3,8 +3,9 @@
 Generation: every scheduler process of a --toploc-verification server makes one
 `FingerprintPipeline` (fingerprint/pipeline.py) in its `Scheduler.__init__` AFTER hook and hangs
 it on the objects sglang hands the other hooks (`scheduler_init_after`): the scheduler, its
-batch result processor and output streamer, and its workers, which stamp it on each batch result
-they return (`worker_forward_after`), where `scheduler.copy_to_cpu_around` finds it. The
+output streamer (an `RLOutputStreamer`, through which its batch result processor finds it too),
+and its workers, which stamp it on each batch result they return (`worker_forward_after`), where
+`scheduler.copy_to_cpu_around` finds it. The
 scheduler hooks route each step's rows to the requests' `FingerprintBuilder`s through it, finish
 the builders of finishing requests and hold their outputs until their proofs are built;
 `next_batch_after` and `idle_before` stream held outputs as soon as they are proven.
