@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build .venv with the real sglang 0.5.17 running on CPU, toploc built against the local torch,
-# the CPU shims and sglang-rl (editable). Idempotent; pip's cache makes re-runs fast.
+# the CPU shims, sglang-rl-client and sglang-rl (both editable). Idempotent; pip's cache makes
+# re-runs fast.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -27,6 +28,8 @@ rm -rf "$SITE"/sgl_kernel_cpu_standin-*.dist-info && cp -r scripts/cpu_shims/sgl
 # GCC 12+, so build (and cache, in ~/.cache/tvm-ffi) it once here with the include forced
 CXX="${CXX:-c++} -include cstddef" "$VENV/bin/python" -c \
   "from sglang.kernels.ops.speculative.ngram_corpus import get_ngram_corpus_cls as g; g()" >/dev/null
+# the client package (pure Python, no dependencies) first: the plugin imports its shared parts
+$PIP install -q --no-deps --no-build-isolation -e client
 $PIP install -q --no-deps --no-build-isolation -e python
-"$VENV/bin/python" -c "import sglang, toploc, sglang_rl; print('sglang', sglang.__version__, '| toploc ok | sglang_rl ok')"
+"$VENV/bin/python" -c "import sglang, toploc, sglang_rl, sglang_rl_client; print('sglang', sglang.__version__, '| toploc ok | sglang_rl ok | sglang_rl_client ok')"
 touch "$VENV/.setup-stamp"

@@ -10,28 +10,21 @@ always a model folder and `--server` a URL. Bad input ends with a one-line error
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
-from typing import Callable, NoReturn, Optional, Sequence
+from typing import Callable, Optional, Sequence
+
+from sglang_rl_client.cli import ArgumentParser  # noqa: F401 - one-line errors, shared with the client
 
 # subcommand -> (module whose main(argv) runs it, one line of help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "model": ("sglang_rl.default_model", "print the default model's folder (SmolLM2-135M-Instruct), building it if needed"),
     "calibrate": ("sglang_rl.calibration.fit", "fit TOPLOC verification bounds to a model (writes a calibration file)"),
     "calibrate-server": ("sglang_rl.calibration.servers", "calibration records from a generator server checked by a verifier server"),
-    "evidence": ("sglang_rl.worker_evidence", "judge workers from their saved verification results"),
+    "evidence": ("sglang_rl_client.worker_evidence", "judge workers from their saved verification results"),
     "drafter": ("sglang_rl.drafter.cli", "EAGLE drafter folders: `init` writes a random-init drafter for a target"),
     "audit": ("sglang_rl.integrations.verl.audit", "verify a sample of a verl run's rollouts on a verifier server"),
 }
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse's parser whose errors are one line (`PROG: error: REASON`, exit code 2), without
-    the usage block; `--help` still shows it."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def _usage() -> str:

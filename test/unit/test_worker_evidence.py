@@ -174,7 +174,7 @@ def test_worker_evidence_script(tmp_path: Path, capsys: pytest.CaptureFixture) -
     verify_json = tmp_path / "lone.json"
     verify_json.write_text(json.dumps([{"form": "token", "endpoint": "/v1/completions",
                                         "result": {"verified": True, "chunks": [chunk(0)]}}]))
-    from sglang_rl import worker_evidence as script  # `sglang-rl evidence`
+    from sglang_rl_client import worker_evidence as script  # `sglang-rl evidence`
     assert script.main(["--calibration", str(cal_path), "--quiet", str(results), str(verify_json)]) == 1
     out = capsys.readouterr().out
     assert "cheat-w: REJECT after" in out

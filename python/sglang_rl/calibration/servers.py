@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 from sglang_rl.cli import ArgumentParser
 from sglang_rl.calibration.measure import gsm8k_prompts, write_records
-from sglang_rl.verifier_client import post_generate, verify_response
+from sglang_rl_client import Rollout, Transport, VerifierClient
 
 def token_budget(index: int, max_tokens: int) -> int:
     """``max_tokens`` for prompts 0, 1, 4, 5, ...; 33..63 (a short final chunk) for 2, 3, 6, 7, ..."""
@@ -37,14 +37,17 @@ def collect(
 ) -> list[dict]:
     """Generate on ``generator``, verify on ``verifier`` (``batch`` requests in flight, so the
     servers batch them), return one record per response."""
+    source = Transport(generator, timeout=timeout)
+    check = VerifierClient(verifier, timeout=timeout)
+
     def one(i: int) -> dict:
-        meta = post_generate(generator, {
+        meta = source.post("/generate", {
             "input_ids": prompts[i],
             "sampling_params": {"max_new_tokens": token_budget(i, max_tokens), "temperature": 0.0},
             "return_input_ids": True, "return_output_ids": True,
-        }, timeout)["meta_info"]
-        report = verify_response(verifier, meta["input_ids"], meta["output_ids"],
-                                 meta["toploc_verification_fingerprints"][-1], timeout)
+        })["meta_info"]
+        report = check.verify(Rollout(meta["input_ids"], meta["output_ids"],
+                                      meta["toploc_verification_fingerprints"][-1]))
         return {"config": config, "honest": honest, "prompt": i, **report}
 
     with ThreadPoolExecutor(batch) as pool:

@@ -15,38 +15,10 @@ from typing import Any
 import torch
 
 from sglang_rl.fingerprint.codec import Fingerprint, FingerprintError
+from sglang_rl_client.calibration import REFERENCE_TOPK, Thresholds  # noqa: F401 - shared with the client
 
 NOTHING_MATCHED = float(2**64)
 """toploc's mantissa error when no top-k exponent matched (finite, so JSON can carry it)."""
-
-REFERENCE_TOPK = 128
-
-
-@dataclass(frozen=True)
-class Thresholds:
-    """Acceptance bounds for one chunk; a chunk passes when every value is at most its bound."""
-
-    max_exp_mismatches: int
-    max_mant_err_mean: float
-    max_mant_err_median: float
-
-    @classmethod
-    def for_topk(
-        cls,
-        topk: int,
-        exp_mismatches_at_128: int = 38,
-        mant_err_mean: float = 10.0,
-        mant_err_median: float = 8.0,
-    ) -> Thresholds:
-        """The TOPLOC authors' bounds (38 of 128 mismatches), the mismatch bound scaled to topk."""
-        if topk < 1:
-            raise ValueError(f"topk must be at least 1, got {topk}")
-        scaled = max(1, round(exp_mismatches_at_128 * topk / REFERENCE_TOPK))
-        return cls(
-            max_exp_mismatches=scaled,
-            max_mant_err_mean=float(mant_err_mean),
-            max_mant_err_median=float(mant_err_median),
-        )
 
 
 @dataclass(frozen=True)

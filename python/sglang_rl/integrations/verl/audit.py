@@ -14,14 +14,13 @@ from __future__ import annotations
 import json
 import random
 import sys
-import urllib.error
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from sglang_rl.cli import ArgumentParser
 from sglang_rl.request_options import FINGERPRINTS_FIELD
-from sglang_rl.verifier_client import verify_response
+from sglang_rl_client import Rollout, RolloutError, ServerError, VerifierClient
 
 
 def read_sample(folder: Path) -> list[dict]:
@@ -35,9 +34,9 @@ def read_sample(folder: Path) -> list[dict]:
 def verify(server: str, rollout: dict, timeout: float = 600.0) -> dict:
     """The verifier's report for one rollout's last fingerprint ({"error": ...} if none came)."""
     try:
-        return verify_response(server, rollout["input_ids"], rollout["output_ids"],
-                               rollout[FINGERPRINTS_FIELD][-1], timeout)
-    except (urllib.error.URLError, OSError, ValueError, KeyError) as error:
+        return VerifierClient(server, timeout=timeout).verify(
+            Rollout(rollout["input_ids"], rollout["output_ids"], rollout[FINGERPRINTS_FIELD][-1]))
+    except (RolloutError, ServerError, KeyError, IndexError, TypeError) as error:
         return {"error": f"{type(error).__name__}: {error}"}
 
 

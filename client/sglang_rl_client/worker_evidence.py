@@ -8,7 +8,7 @@ Each input file holds verification results, as JSON lines or one JSON document: 
 worker name belong to the worker named after their file. Results are taken in file order; each
 worker's running verdict is printed per result (``--quiet``: only the final line per worker).
 
-The test is ``sglang_rl.fingerprint.evidence.WorkerEvidence`` with the calibration file's bounds
+The test is ``sglang_rl_client.evidence.WorkerEvidence`` with the calibration file's bounds
 and score histograms (written by ``sglang-rl calibrate``); its false-accusation rate on
 honest workers is at most alpha * (1 + N * floor) over N responses.
 Exits 0 if no worker is rejected, 1 if one is, 2 on a usage error.
@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
-from sglang_rl.cli import ArgumentParser
-from sglang_rl.fingerprint.calibration import CalibrationError, load_calibration
-from sglang_rl.fingerprint.evidence import REJECT, EvidencePolicy, WorkerEvidence
+from sglang_rl_client.calibration import CalibrationError, load_calibration
+from sglang_rl_client.cli import ArgumentParser
+from sglang_rl_client.evidence import REJECT, EvidencePolicy, Fleet
 
 
 def _results(item: Any, default_worker: str) -> Iterator[tuple[str, dict]]:
@@ -52,7 +52,13 @@ def read_results(path: Path) -> Iterator[tuple[str, dict]]:
         yield from _results(value, path.stem)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def evidence_policy(alpha: float) -> EvidencePolicy:
+    """The decision rule for a false-accusation level ``alpha`` (suspect at 0.05, or alpha above it)."""
+    return EvidencePolicy(false_accusation_rate=alpha, suspect_level=max(0.05, alpha))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the command; returns its exit code."""
     parser = ArgumentParser(description="Running worker verdicts from saved verification results.")
     parser.add_argument("results", type=Path, nargs="+", help="files of verification results")
     parser.add_argument("--calibration", required=True, type=Path, help="calibration file of the model")
@@ -63,22 +69,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
 
     try:
-        calibration = load_calibration(args.calibration)
-        policy = EvidencePolicy(false_accusation_rate=args.alpha, suspect_level=max(0.05, args.alpha))
-        workers: dict[str, WorkerEvidence] = {}
+        fleet = Fleet(load_calibration(args.calibration), evidence_policy(args.alpha), args.prior)
         for path in args.results:
             for name, result in read_results(path):
-                if name not in workers:
-                    workers[name] = WorkerEvidence.from_calibration(calibration, policy, args.prior)
-                w = workers[name]
-                verdict = w.add_report(result)
+                verdict = fleet.add_report(name, result)
+                w = fleet.workers[name]
                 if not args.quiet and not args.json:
                     print(f"{name}: response {w.responses + w.errors}: verified={result.get('verified')} "
                           f"log-evidence {w.statistic:.2f} -> {verdict}")
     except (CalibrationError, OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    states = {name: w.state() for name, w in workers.items()}
+    states = fleet.states()
     if args.json:
         print(json.dumps(states, indent=2))
     else:
