@@ -33,8 +33,11 @@ import urllib.request
 from pathlib import Path
 from typing import Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import toploc_client as tc  # noqa: E402
+try:
+    import sglang_rl_client  # noqa: F401
+except ImportError:  # a checkout without the client installed: its client/ folder
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "client"))
+from sglang_rl_client import responses as tc  # noqa: E402
 
 PROMPT = "What is the capital of Bulgaria? Answer in one sentence."
 CPU_FLAGS = [

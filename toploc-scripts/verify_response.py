@@ -23,8 +23,11 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import toploc_client as tc  # noqa: E402
+try:
+    import sglang_rl_client  # noqa: F401
+except ImportError:  # a checkout without the client installed: its client/ folder
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "client"))
+from sglang_rl_client import responses as tc  # noqa: E402
 
 
 def _load_json(path: Path, what: str):
@@ -59,6 +62,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="also require the sampling test to pass (for generations sampled at "
                         "temperature 1 without top-k/top-p/min-p)")
     parser.add_argument("--timeout", type=float, default=600, help="HTTP timeout in seconds")
+    parser.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY' (the verifier's --api-key)")
     parser.add_argument("--json", action="store_true", help="print the raw results as JSON only")
     args = parser.parse_args(argv)
     url = args.server.rstrip("/")
@@ -68,7 +72,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         messages = tc.load_messages(_load_json(args.messages, "messages")) if args.messages else None
         model = args.served_model_name or gen.model
         if model is None and gen.kind != "generate":
-            model = tc.served_model(url)
+            model = tc.served_model(url, api_key=args.api_key)
         endpoint = tc.GENERATE_ENDPOINT if args.token_endpoint == "generate" else tc.COMPLETIONS_ENDPOINT
         requests = tc.requests_for(gen, messages=messages, form=args.form, token_endpoint=endpoint,
                                    model=model, expect_greedy=args.expect_greedy,
@@ -89,7 +93,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     results = []
     for request in requests:
         try:
-            result = tc.verify(url, request, timeout=args.timeout)
+            result = tc.verify(url, request, timeout=args.timeout, api_key=args.api_key)
         except tc.ClientError as exc:
             print(f"error ({request.describe()}): {exc}", file=sys.stderr)
             return 2

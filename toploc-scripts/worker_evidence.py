@@ -5,8 +5,13 @@
 """
 
 import sys
+from pathlib import Path
 
-from sglang_rl.worker_evidence import main
+try:
+    import sglang_rl_client  # noqa: F401
+except ImportError:  # a checkout without the client installed: its client/ folder
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "client"))
+from sglang_rl_client.worker_evidence import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())
