@@ -1,5 +1,7 @@
-"""TOPLOC activation fingerprints: batched proof building, the wire container, verification,
-per-model calibration of the bounds and worker-level evidence. A serving loop's fingerprints are
+"""TOPLOC activation fingerprints: batched proof building, the wire container (and its conversion
+to and from toploc's proof lists), verification, per-model calibration of the bounds and
+worker-level evidence. The container, the calibration file and the evidence test are pure Python
+and shared with the client package (``sglang_rl_client``). A serving loop's fingerprints are
 built by `pipeline.FingerprintPipeline` (imported from its module, not here: the API side never
 loads it)."""
 
@@ -12,6 +14,8 @@ from sglang_rl.fingerprint.codec import (
     decode_fingerprint,
     encode_built_proofs,
     encode_fingerprint,
+    from_toploc_proofs,
+    to_toploc_proofs,
 )
 from sglang_rl.fingerprint.proof import (
     PRIME,
@@ -56,11 +60,13 @@ __all__ = [
     "decode_fingerprint",
     "encode_built_proofs",
     "encode_fingerprint",
+    "from_toploc_proofs",
     "interpolate",
     "load_calibration",
     "proof_num_bytes",
     "response_score",
     "save_calibration",
     "select_topk",
+    "to_toploc_proofs",
     "verify_rows",
 ]
