@@ -2,7 +2,7 @@
 
 The scheduler keeps its `CotrainRuntime` (`runtime_of`), and every request it queues is adopted
 by it: counted when it finishes, and (unless it sets `drafter_cotrain: false`) given a
-`CotrainRows` collector (`adapters/cotrain_rows.py`): the last `window` rows the target computed
+`CotrainRows` collector (`adapters/hidden_states.py`): the last `window` rows the target computed
 for it anyway (EAGLE's target captures them for its draft), routed by the same prefill/decode
 hooks as user-requested rows, never limiting the radix cache. When the request finishes, its ids, rows and the policy
 version are posted to the co-training process (`sglang_rl.drafter.cotrain`), which trains in
@@ -29,7 +29,7 @@ import torch
 from sglang.srt.managers.io_struct import GetWeightsByNameReqInput, GetWeightsByNameReqOutput
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 
-from sglang_rl.adapters.cotrain_rows import CotrainRows
+from sglang_rl.adapters.hidden_states import CotrainRows
 from sglang_rl.adapters.request_state import cotrain_rows_of, kcbs_beam_of, kcbs_search_of, peek, state_of
 from sglang_rl.drafter.cotrain import (
     CotrainConfig,
