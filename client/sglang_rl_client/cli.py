@@ -65,7 +65,7 @@ def read_rollouts(lines: Iterable[str], default_worker: str,
             yield number, RolloutError(f"expected a JSON object, got {type(record).__name__}"), None, {}
             continue
         kept = {k: v for k, v in record.items() if k not in RESERVED_KEYS}
-        worker = str(record.get("worker", default_worker))
+        worker = default_worker if record.get("worker") is None else str(record["worker"])
         try:
             yield number, Rollout.from_dict(record, default_worker, **expect), worker, kept
         except RolloutError as exc:

@@ -119,27 +119,20 @@ def parse_generation(response: Any, choice: int = 0) -> Generation:
     picked = next((c for c in choices if c.get("index", 0) == choice), None)
     if picked is None:
         raise ClientError(f"the response has no choice with index {choice}")
-    model = response.get("model")
-    if isinstance(picked.get("message"), dict):  # chat completion
-        message = picked["message"]
-        return Generation(
-            kind="chat",
-            fingerprint=_last_fingerprint(message, f"choices[{choice}].message"),
-            input_ids=_int_list(message.get("input_ids")),
-            output_ids=_int_list(message.get("output_ids")),
-            text=message.get("content"),
-            model=model,
-            extra={"finish_reason": picked.get("finish_reason"),
-                   "has_reasoning": bool(message.get("reasoning_content")),
-                   "has_tool_calls": bool(message.get("tool_calls"))},
-        )
-    return Generation(  # text completion
-        kind="completion",
-        fingerprint=_last_fingerprint(picked, f"choices[{choice}]"),
-        input_ids=_int_list(picked.get("input_ids")),
-        output_ids=_int_list(picked.get("output_ids")),
-        text=picked.get("text"),
-        model=model,
+    chat = isinstance(picked.get("message"), dict)
+    # a chat completion keeps its fields in the choice's message, a text completion in the choice
+    holder, where = (picked["message"], f"choices[{choice}].message") if chat else (picked, f"choices[{choice}]")
+    extra = {"finish_reason": picked.get("finish_reason"),
+             "has_reasoning": bool(holder.get("reasoning_content")),
+             "has_tool_calls": bool(holder.get("tool_calls"))} if chat else {}
+    return Generation(
+        kind="chat" if chat else "completion",
+        fingerprint=_last_fingerprint(holder, where),
+        input_ids=_int_list(holder.get("input_ids")),
+        output_ids=_int_list(holder.get("output_ids")),
+        text=holder.get("content" if chat else "text"),
+        model=response.get("model"),
+        extra=extra,
     )
 
 

@@ -81,7 +81,7 @@ class Rollout:
                                   ("fingerprint", fingerprint)) if v is None]
         if missing:
             raise RolloutError(f"missing key{'s' if len(missing) > 1 else ''} {', '.join(map(repr, missing))}")
-        name = record.get("worker", worker)
+        name = worker if record.get("worker") is None else record["worker"]
         kept = {k: v for k, v in record.items() if k not in RESERVED_KEYS}
         return cls(record["input_ids"], record["output_ids"], fingerprint,
                    worker=None if name is None else str(name), data=kept, **expect)

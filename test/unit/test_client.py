@@ -435,3 +435,26 @@ def test_fingerprint_describe_and_sizes() -> None:
     assert fp.num_bytes == 10 + 3 * 258 and math.ceil(70 / 32) == fp.num_chunks
     assert fp.describe() == ("v1, 70 response tokens, 3 proof(s) of 258 bytes (topk=128, 32 tokens each), "
                              "784 bytes in all")
+
+
+def test_saved_responses_parse_in_every_shape() -> None:
+    """The toploc-scripts' reading of saved responses (sglang_rl_client.responses)."""
+    from sglang_rl_client import responses as tc
+
+    fp = fingerprint(2)
+    fields = {"input_ids": [1, 2], "output_ids": [3, 4], "toploc_verification_fingerprints": ["old", fp]}
+    chat = {"model": "m", "choices": [{"index": 0, "finish_reason": "stop",
+                                       "message": {"role": "assistant", "content": "hi", **fields}}]}
+    completion = {"model": "m", "choices": [{"index": 0, "text": "hi", **fields}]}
+    generate = [{"text": "x", "meta_info": fields}, {"text": "hi", "meta_info": fields}]
+    for response, kind, choice in ((chat, "chat", 0), (completion, "completion", 0), (generate, "generate", 1)):
+        gen = tc.parse_generation(response, choice)
+        assert (gen.kind, gen.fingerprint, gen.input_ids, gen.output_ids, gen.text) == (kind, fp, [1, 2], [3, 4], "hi")
+    request = tc.requests_for(tc.parse_generation(chat), token_endpoint=tc.GENERATE_ENDPOINT, expect_greedy=True)[0]
+    assert request.body == {"input_ids": [1, 2, 3, 4], "sampling_params": {"max_new_tokens": 0},
+                            "toploc_verification_fingerprint_to_validate": fp,
+                            "toploc_verification_expect_greedy": True}
+    with pytest.raises(tc.ClientError, match="covers 2 tokens but output_ids has 1"):
+        tc.token_request([1], [3], fp)
+    with pytest.raises(tc.ClientError, match="the fingerprint is malformed"):
+        tc.parse_generation(completion) and tc.token_request([1], [3, 4], "AAAA")
