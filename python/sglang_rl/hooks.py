@@ -27,6 +27,7 @@ def hook_table() -> list[Hook]:
     """All hooks of the plugin (imports are local so that importing this module stays cheap)."""
     from sglang_rl.adapters import api, hidden_states, kcbs, openai, scheduler, speculative
     from sglang_rl.adapters import cotrain, cotrain_api, drafter_weights, drafter_weights_api
+    from sglang_rl.adapters import drafter_save, drafter_save_api
     from sglang_rl.adapters import toploc
     from sglang_rl.server_args import RLServerArgs
 
@@ -161,6 +162,13 @@ def hook_table() -> list[Hook]:
              drafter_weights_api.add_http_routes_after,
              "the HTTP launcher's app gains /update_draft_weights_from_tensor, "
              "/update_draft_weights_from_disk and /get_draft_weights_by_name before uvicorn starts"),
+        # --- saving the served drafter -------------------------------------------------------
+        Hook(f"{SRT}.managers.scheduler.Scheduler.init_request_dispatcher", AFTER,
+             drafter_save.request_dispatcher_after,
+             "the scheduler, which holds the draft's parameters, answers the save request by writing the folder"),
+        Hook(f"{SRT}.entrypoints.engine.Engine._launch_subprocesses", AFTER,
+             drafter_save_api.launch_subprocesses_after,
+             "POST /save_draft_weights and sgl.Engine.save_draft_weights(path)"),
         # --- drafter co-training ---------------------------------------------------------------
         Hook(f"{SRT}.managers.scheduler.Scheduler.__init__", AFTER, cotrain.scheduler_init_after,
              "--drafter-cotrain: start the co-training process beside the scheduler, which keeps its runtime"),

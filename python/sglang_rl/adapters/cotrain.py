@@ -132,6 +132,7 @@ class CotrainRuntime:
         self.rounds: list[dict] = []
         self.acceptance = [_Acceptance()]  # index r: requests served by round r's weights
         self.held_out = [_Acceptance()]
+        self.saved: Optional[dict] = None  # the last POST /save_draft_weights (adapters/drafter_save.py)
         self.metrics = _Metrics.create(server_args)
 
     @property
@@ -268,6 +269,7 @@ class CotrainRuntime:
             "buffer_samples": self.rounds[-1]["buffer_samples"] if self.rounds else 0,
             "buffer_bytes": self.rounds[-1]["buffer_bytes"] if self.rounds else 0,
             "errors": self.errors[-5:],
+            "saved": self.saved,
         }
 
     def shutdown(self) -> None:
