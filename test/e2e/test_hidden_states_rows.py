@@ -12,18 +12,14 @@ import itertools
 import json
 from concurrent.futures import ThreadPoolExecutor
 
-import pytest
 import requests
 import torch
 
 from hidden_states_fixtures import (
-    HANG_TIMEOUT,
     TIMEOUT,
     LONG_PROMPT,
     SHORT_PROMPT,
     check_response,
-    check_rows,
-    expected_positions,
     generate,
     hs_fields,
     report,
