@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Iterator
@@ -75,17 +77,25 @@ class Server:
             self._log = open(self.log_path, "w")
             self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
                                          start_new_session=True)
+            LIVE.add(self)
             try:
                 self._wait_healthy()
                 return
             except _PortTaken:
                 if attempt == PORT_ATTEMPTS - 1:
                     raise
+            except BaseException:
+                self.stop()  # a server that never became healthy is not left running
+                raise
 
     def _wait_healthy(self, timeout: float = 420.0) -> None:
+        """Until /health_generate answers 200 from this server's process. Polled every 0.25 s:
+        before sglang's warm-up request has finished it answers 503 at once, afterwards it takes
+        ~1 s (it waits for a one-token generation), so a longer poll interval only adds idle time
+        to every start."""
         deadline = time.time() + timeout
         while time.time() < deadline:
-            if any(line in self.log_path.read_text() for line in PORT_TAKEN):
+            if any(line in self.log_path.read_text(errors="replace") for line in PORT_TAKEN):
                 self.stop()
                 raise _PortTaken(f"a port was taken before the server bound it, see {self.log_path}")
             if self.proc.poll() is not None:
@@ -96,7 +106,7 @@ class Server:
                     return
             except requests.RequestException:
                 pass
-            time.sleep(2)
+            time.sleep(0.25)
         self.stop()
         raise RuntimeError(f"server not healthy after {timeout}s, see {self.log_path}")
 
@@ -115,13 +125,106 @@ class Server:
         return self.proc.poll() is None
 
     def stop(self) -> None:
+        """Stop the server and everything it started (idempotent).
+
+        SIGTERM to the process group ends the scheduler and detokenizer (and a co-training
+        process) at once; sglang's launcher, though, only acts on it at its SIGTERM watchdog's
+        next look, up to 5 s later, to wait for them, which is all it would do; so once they are
+        gone it is killed. Its multiprocessing resource tracker ignores SIGTERM and exits by
+        itself (after removing any shared memory left behind) once the launcher is gone; a
+        background thread waits for that and kills whatever of the group is still there after
+        `GROUP_EXIT_S` (`stop_live_servers` waits for those threads)."""
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, 15)
+            import psutil
+
             try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, 9)
-        self._log.close()
+                tree = psutil.Process(self.proc.pid).children(recursive=True)
+            except psutil.Error:
+                tree = []
+            workers = [p for p in tree if not _is_resource_tracker(p)]
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            _wait_gone(workers, timeout=STOP_GRACE_S)
+            try:
+                os.kill(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(timeout=30)
+            reaper = threading.Thread(target=_reap_group, args=(self.proc.pid,), daemon=True)
+            reaper.start()
+            _REAPERS.append(reaper)
+        if not self._log.closed:
+            self._log.close()
+        LIVE.discard(self)
+
+
+STOP_GRACE_S = 10.0  # for the scheduler and detokenizer to exit on SIGTERM (they do at once)
+GROUP_EXIT_S = 15.0
+LIVE: set = set()
+"""Servers started and not yet stopped (`stop_live_servers` ends them at the end of a session)."""
+_REAPERS: list = []
+
+
+def _is_resource_tracker(proc) -> bool:
+    try:
+        return "resource_tracker" in " ".join(proc.cmdline())
+    except Exception:  # noqa: BLE001 - gone already
+        return False
+
+
+def _gone(proc) -> bool:
+    """Exited (a zombie has exited: its parent, sglang's launcher, does not reap it at once)."""
+    import psutil
+
+    try:
+        return proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return True
+
+
+def _wait_gone(procs: list, timeout: float) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline and not all(_gone(p) for p in procs):
+        time.sleep(0.05)
+
+
+def _reap_group(pgid: int) -> None:
+    """Wait until nothing of the process group `pgid` runs; kill what still runs after GROUP_EXIT_S."""
+    import psutil
+
+    deadline = time.time() + GROUP_EXIT_S
+    while True:
+        members = [p for p in psutil.process_iter() if _pgid(p) == pgid and not _gone(p)]
+        if not members:
+            return
+        if time.time() > deadline:
+            for p in members:
+                try:
+                    p.kill()
+                except psutil.Error:
+                    pass
+            return
+        time.sleep(0.2)
+
+
+def _pgid(proc) -> int | None:
+    try:
+        return os.getpgid(proc.pid)
+    except OSError:
+        return None
+
+
+def stop_live_servers() -> None:
+    """Stop every server still running and wait until their processes are gone."""
+    for server in list(LIVE):
+        try:
+            server.stop()
+        except Exception:  # noqa: BLE001 - best effort at the end of a session
+            pass
+    for reaper in list(_REAPERS):
+        reaper.join(GROUP_EXIT_S + 5)
 
 
 @pytest.fixture(scope="session")
