@@ -5,33 +5,26 @@ environment sets it): on CPU an idle sglang scheduler otherwise busy-polls a who
 shared 2-core test machine a 2-thread OpenMP pool in each server made batches 5-30x slower. Neither
 changes what the server computes beyond float summation order, which TOPLOC tolerates by design.
 `toploc_server` overrides the fixture of test/conftest.py for this directory only.
+
+Servers come from the session's pool (e2e_servers.py): each one is started once per session,
+ahead of the tests that need it, and stopped after the last of them.
 """
 
 from __future__ import annotations
 
-from typing import Iterator
-
 import pytest
 
-from e2e_servers import Server, start_server
+from e2e_servers import POOL, USES_SERVERS, Spec, server_fixture, server_keys
 from hidden_states_fixtures import hf, hs_noradix_server, hs_server, refusal_server  # noqa: F401 - fixtures
 
+toploc_server = server_fixture(
+    Spec("toploc", ("--toploc-verification",)),
+    doc="The main test server: --toploc-verification, radix cache on, default chunked prefill.")
 
-@pytest.fixture(scope="session")
-def toploc_server(model_path: str) -> Iterator[Server]:
-    """The main test server: --toploc-verification, radix cache on, default chunked prefill."""
-    server = start_server(model_path, "--toploc-verification", log_name="toploc")
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="session")
-def plain_server(model_path: str) -> Iterator[Server]:
-    """The plugin loaded (through its entry point) but no sglang-rl flag given. Stopped early, at
-    the end of test_toploc_hostile.py (the last module using it), to free memory."""
-    server = start_server(model_path, log_name="plain")
-    yield server
-    server.stop()
+plain_server = server_fixture(
+    Spec("plain"),
+    doc="The plugin loaded (through its entry point) but no sglang-rl flag given (the k-CBS tests "
+        "use it too: k-CBS is asked for per request).")
 
 
 @pytest.fixture(scope="session")
@@ -39,3 +32,50 @@ def tokenizer(model_path: str):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_path)
+
+
+# --------------------------------------------------------------------------------------------
+# the pool follows the run: which servers the remaining tests need
+
+
+_index: dict[str, int] = {}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", f"{USES_SERVERS}(*fixture_names): server fixtures a test gets other than "
+                                       "as arguments (for the server pool's plan)")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if session.config.option.collectonly or getattr(session.config.option, "setupplan", False):
+        return
+    _index.clear()
+    _index.update({item.nodeid: i for i, item in enumerate(session.items)})
+    POOL.set_plan([server_keys(item) for item in session.items])
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.nodeid in _index:
+        POOL.at_item(_index[item.nodeid])
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem):
+    try:
+        return (yield)
+    finally:
+        if item.nodeid in _index:
+            POOL.after_item(_index[item.nodeid])
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    POOL.close()
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    lines = POOL.summary()
+    if lines:
+        terminalreporter.write_sep("-", "e2e servers (e2e_servers.POOL)")
+        for line in lines:
+            terminalreporter.write_line(line)

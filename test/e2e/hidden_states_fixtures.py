@@ -1,9 +1,9 @@
 """Servers, the HF reference and client helpers of the hidden-states end-to-end tests.
 
-The servers are started once per pytest process and shared by every test_hidden_states_*.py
-module: test/e2e/conftest.py imports the fixtures below, and a module-level registry starts the
-two hidden-state servers together (in parallel) and the Engine job after them. They are stopped
-at interpreter exit.
+The servers come from the session's pool (e2e_servers.POOL): started once per pytest process
+(ahead of the first test that needs them), shared by every test_hidden_states_*.py module (and the
+others that use them; test/e2e/conftest.py imports the fixtures below), and stopped after the last
+test that needs them. The first test that uses one of them also starts the Engine job.
 
 * ``hs_server``: ``--enable-return-hidden-states --chunked-prefill-size 64 --toploc-verification``,
   radix cache on. Prompts of ~240 tokens are prefilled in 4 chunks; TOPLOC is on so that the
@@ -23,12 +23,10 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import re
 import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -41,7 +39,7 @@ E2E_DIR = HERE.parent / "e2e"  # e2e_servers.py (and its conftest), wherever the
 if str(E2E_DIR) not in sys.path:
     sys.path.insert(0, str(E2E_DIR))
 
-from e2e_servers import Server, e2e_env, start_server  # noqa: E402
+from e2e_servers import POOL, Server, ServerHandle, Spec, e2e_env, server_fixture  # noqa: E402
 from sglang_rl.hidden_states import decode_rows  # noqa: E402
 
 # A row equals the HF row when every element is within ATOL + RTOL * |HF value| (torch.allclose).
@@ -70,17 +68,10 @@ SHORT_PROMPT = "The capital of France is"
 # --------------------------------------------------------------------------------------------
 # shared processes
 
-_lock = threading.Lock()
-_servers: dict[str, Server] = {}
 _engine_job: dict[str, Any] = {}
 
 
-def _stop_all() -> None:
-    for server in _servers.values():
-        try:
-            server.stop()
-        except Exception:  # noqa: BLE001 - best effort at exit
-            pass
+def _stop_engine_job() -> None:
     proc = _engine_job.get("proc")
     if proc is not None and proc.poll() is None:
         try:
@@ -89,7 +80,7 @@ def _stop_all() -> None:
             pass
 
 
-atexit.register(_stop_all)
+atexit.register(_stop_engine_job)
 
 
 def _print_stats() -> None:
@@ -101,65 +92,15 @@ def _print_stats() -> None:
 atexit.register(_print_stats)
 
 
-SERVER_ARGS = {
-    "radix": ("hs-radix-chunked", ("--enable-return-hidden-states", "--chunked-prefill-size", "64",
-                                   "--toploc-verification")),
-    "noradix": ("hs-noradix", ("--enable-return-hidden-states", "--disable-radix-cache")),
-}
-_failed: dict[str, str] = {}
-
-
-def _scheduler_traceback(message: str) -> str:
-    """The scheduler's traceback from the server log named in a start failure, if any."""
-    match = re.search(r"see (\S+\.log)", message)
-    if not match or not Path(match.group(1)).exists():
-        return ""
-    log = Path(match.group(1)).read_text(errors="replace")
-    at = log.find("Scheduler hit an exception")
-    if at < 0:
-        return ""
-    block = log[at:].split("\n\n")[0]
-    return "\n" + block[-4000:]
-
-
-def shared_servers(model_path: str) -> dict[str, Server]:
-    """Start (once) the hidden-state servers, in parallel and independently (one failing to start
-    does not take the other down); then kick off the Engine run in the background (after, not
-    with, the servers: three cold starts at once on 2 cores can push a server past its health
-    timeout), so that its start overlaps the HTTP tests."""
-    with _lock:
-        if not any(name in _servers or name in _failed for name in SERVER_ARGS):
-            t0 = time.time()
-
-            def one(name: str) -> None:
-                log_name, args = SERVER_ARGS[name]
-                try:
-                    _servers[name] = start_server(model_path, *args, log_name=log_name)
-                except Exception as exc:  # noqa: BLE001 - raised by the fixture that needs it
-                    _failed[name] = f"{exc}"[:1500] + _scheduler_traceback(str(exc))
-
-            with ThreadPoolExecutor(len(SERVER_ARGS)) as pool:
-                list(pool.map(one, SERVER_ARGS))
-            print(f"\n[hidden-states] servers started in {time.time() - t0:.0f}s: "
-                  + ", ".join(f"{k} {_servers[k].url} (log {_servers[k].log_path})" for k in SERVER_ARGS
-                              if k in _servers)
-                  + "".join(f"; {k} FAILED" for k in _failed), flush=True)
-            engine_job(model_path)
-    return _servers
-
-
-def _server(model_path: str, name: str) -> Server:
-    servers = shared_servers(model_path)
-    if name in _failed:
-        raise RuntimeError(f"server {name} {SERVER_ARGS[name][1]} did not start: {_failed[name]}")
-    server = servers[name]
-    assert server.alive(), f"server {name} died, see {server.log_path}"
-    return server
+HS_RADIX = Spec("hs-radix-chunked", ("--enable-return-hidden-states", "--chunked-prefill-size", "64",
+                                     "--toploc-verification"))
+HS_NORADIX = Spec("hs-noradix", ("--enable-return-hidden-states", "--disable-radix-cache"))
 
 
 def engine_job(model_path: str) -> dict[str, Any]:
     """Start (once) `python test_hidden_states_engine.py OUT` in the background: the sgl.Engine
-    part of the suite, which writes its outputs to OUT with torch.save."""
+    part of the suite, which writes its outputs to OUT with torch.save. Started when a test first
+    uses a hidden-state server, so that its start overlaps the HTTP tests."""
     if not _engine_job:
         LOG_DIR.mkdir(parents=True, exist_ok=True)
         out = LOG_DIR / f"hs-engine-{os.getpid()}.pt"
@@ -183,14 +124,15 @@ def refusal_server(plain_server: Server) -> Server:
     return plain_server
 
 
-@pytest.fixture(scope="session")
-def hs_server(model_path: str) -> Server:
-    return _server(model_path, "radix")
+def _start_engine_job(handle: ServerHandle) -> None:
+    engine_job(POOL.model_path())
 
 
-@pytest.fixture(scope="session")
-def hs_noradix_server(model_path: str) -> Server:
-    return _server(model_path, "noradix")
+hs_server = server_fixture(HS_RADIX, on_use=_start_engine_job,
+                           doc="--enable-return-hidden-states --chunked-prefill-size 64 --toploc-verification, "
+                               "radix cache on.")
+hs_noradix_server = server_fixture(HS_NORADIX, on_use=_start_engine_job,
+                                   doc="--enable-return-hidden-states --disable-radix-cache.")
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """Shared plumbing of the k-CBS end-to-end tests (test_kcbs_*.py; this module holds no tests).
 
-- one real CPU server for all test_kcbs_*.py files (started once, in the background, so the HF
-  reference can be computed while it boots; stopped at interpreter exit);
+- one real CPU server for all test_kcbs_*.py files: the suite's plain server (conftest's
+  `plain_server`, the same flags; its radix cache emptied when a module takes it), started ahead
+  by the pool or, in a run of one module, in the background so that the HF reference is computed
+  while it boots;
 - the HF oracle: `kcbs_reference` on a float32 AutoModelForCausalLM, with the model's forwards
   memoised by exact token ids (the reference re-runs prompt + beam for every beam of every step,
   and cases that share a prompt share most of those forwards; the memo returns exactly what the
@@ -19,12 +21,11 @@ plus the tokenizer's eos), and the k-CBS adapter finishes beams on the same set.
 
 from __future__ import annotations
 
-import atexit
 import json
 import sys
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
@@ -32,7 +33,7 @@ import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from e2e_servers import Server, start_server  # noqa: E402
+from e2e_servers import POOL, Server, ServerHandle  # noqa: E402
 
 TIMEOUT = 900
 LOGPROB_TOL = 1e-4
@@ -77,44 +78,23 @@ def prompt_ids(tokenizer: Any, name: str) -> list[int]:
 
 
 # ------------------------------------------------------------------------------------------
-# the one server
+# the server: the suite's plain server (no sglang-rl flag: k-CBS is asked for per request)
+
+KCBS_SERVER = "plain"  # the pool's key of conftest's `plain_server`
 
 
-_lock = threading.Lock()
-_server: dict[str, Any] = {}
+def start_server_ahead() -> None:
+    """Start the server in the background now if it is not started yet (the pool normally has
+    started it ahead already), so that the caller computes its references while it boots."""
+    POOL.ensure_started(KCBS_SERVER)
 
 
-def server_future(model_path: str) -> Future:
-    """Start the shared server once (in the background) and return its future."""
-    with _lock:
-        if "future" not in _server:
-            pool = ThreadPoolExecutor(1)
-            _server["future"] = pool.submit(start_server, model_path, log_name="kcbs")
-            pool.shutdown(wait=False)
-            atexit.register(_stop)
-        return _server["future"]
-
-
-def shared_server(model_path: str) -> Server:
-    return server_future(model_path).result()
-
-
-def _stop() -> None:
-    future = _server.get("future")
-    if future is not None and future.done() and future.exception() is None:
-        future.result().stop()
-
-
-def release_shared_server() -> None:
-    """Stop the shared server now (the last k-CBS module is done) to free memory and CPU for the
-    rest of the suite; a later `server_future` starts a new one."""
-    with _lock:
-        future = _server.pop("future", None)
-    if future is not None:
-        try:
-            future.result().stop()
-        except Exception:  # noqa: BLE001 - a server that failed to start has nothing to stop
-            pass
+def shared_server() -> ServerHandle:
+    """The server, its radix cache emptied (earlier modules used it too: the k-CBS modules start
+    from what a fresh server has cached)."""
+    server = ServerHandle(KCBS_SERVER)
+    flush_cache(server.url)
+    return server
 
 
 # ------------------------------------------------------------------------------------------
@@ -145,6 +125,7 @@ class _MemoLm:
             return self.cache[key]
 
 
+_lock = threading.Lock()
 _oracle: dict[str, Any] = {}
 
 

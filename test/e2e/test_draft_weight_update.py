@@ -45,7 +45,7 @@ import torch.multiprocessing  # noqa: F401 - registers the tensor reductions For
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from e2e_servers import Server, e2e_env, start_server
+from e2e_servers import POOL, Prepared, Server, ServerHandle, Spec, e2e_env, server_fixture
 from sglang_rl.drafter import EagleDrafter, init_drafter, save_drafter, sglang_weights
 
 K = 3  # draft steps per verify (topk 1: a chain of K proposals)
@@ -214,26 +214,42 @@ def assert_refused(r: requests.Response, reason: str) -> None:
 # --- fixtures --------------------------------------------------------------------------------
 
 
+def _start_drafter(model_path: str, workdir: Path) -> Prepared:
+    """The start-up drafter proposes a token the target never writes here (no draft accepted)."""
+    drafts = Drafts(model_path)
+    root = workdir / "drafters"
+    absent = next(t for t in range(1000, 2000) if drafts.proposes(t))
+    engine_token = next(t for t in range(2000, 3000) if drafts.proposes(t))
+    folders = {"root": root, "absent": absent, "start": drafts.folder(root / "start", absent),
+               "engine_token": engine_token}
+    return Prepared(args=("--speculative-draft-model-path", str(folders["start"])), data={"folders": folders})
+
+
+EAGLE = Spec("draft-weights", (
+    "--speculative-algorithm", "EAGLE", "--speculative-num-steps", str(K), "--speculative-eagle-topk", "1",
+    "--speculative-num-draft-tokens", str(K + 1), "--max-running-requests", "8"), prepare=_start_drafter)
+
+eagle = server_fixture(EAGLE, scope="module", doc="EAGLE with the start-up drafter (`_start_drafter`). Its "
+                       "draft and target weights are changed by the tests here, each of which puts them back.")
+
+
 @pytest.fixture(scope="module")
 def drafts(model_path: str) -> Drafts:
     return Drafts(model_path)
 
 
 @pytest.fixture(scope="module")
-def folders(drafts: Drafts, tmp_path_factory) -> dict:
-    """The start-up drafter proposes a token the target never writes here (no draft accepted)."""
-    root = tmp_path_factory.mktemp("drafters")
-    absent = next(t for t in range(1000, 2000) if drafts.proposes(t))
-    engine_token = next(t for t in range(2000, 3000) if drafts.proposes(t))
-    return {"root": root, "absent": absent, "start": drafts.folder(root / "start", absent),
-            "engine_token": engine_token}
+def folders() -> dict:
+    """The folders of the start-up drafter the server starts with (and where more go)."""
+    return POOL.prepared_data(EAGLE.key)["folders"]
 
 
 @pytest.fixture(scope="module")
 def engine_job(model_path: str, drafts: Drafts, folders: dict) -> Iterator[dict]:
     """An sgl.Engine with the same EAGLE draft, in a subprocess (the plugin patches sglang
-    process-wide), started before the HTTP server so that both start up together. It does not
-    generate: the HTTP tests show what a pushed draft does."""
+    process-wide). `ref` starts it once the HTTP server is up, so that it starts while the HTTP
+    tests run (two sglang starts at once on two cores slowed both). It does not generate: the
+    HTTP tests show what a pushed draft does."""
     root = folders["root"]
     token = folders["engine_token"]
     save_file(drafts.weights(token), str(root / "engine_push.safetensors"))
@@ -252,18 +268,7 @@ def engine_job(model_path: str, drafts: Drafts, folders: dict) -> Iterator[dict]
 
 
 @pytest.fixture(scope="module")
-def eagle(model_path: str, folders: dict, engine_job: dict) -> Iterator[Server]:
-    server = start_server(
-        model_path, "--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", str(folders["start"]),
-        "--speculative-num-steps", str(K), "--speculative-eagle-topk", "1",
-        "--speculative-num-draft-tokens", str(K + 1), "--max-running-requests", "8", log_name="draft-weights",
-    )
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def ref(eagle: Server, drafts: Drafts, folders: dict) -> dict:
+def ref(eagle: ServerHandle, drafts: Drafts, folders: dict, engine_job: dict) -> dict:
     """The target's greedy output with the start-up drafter, and the token T the tests' drafter
     proposes (the most frequent output token a one-token drafter can propose)."""
     out = generate(eagle.url, IN_FLIGHT_NEW)

@@ -16,13 +16,12 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import requests
 import torch
 
-from e2e_servers import Server, e2e_env, start_server
+from e2e_servers import Prepared, Server, Spec, e2e_env, server_fixture
 from toploc_helpers import assert_fingerprints_verify
 
 TRAIN_PROMPTS = 48
@@ -53,13 +52,15 @@ def init_drafter(model_path: str, out: Path) -> Path:
     return out
 
 
-@pytest.fixture(scope="module")
-def cotrain_server(model_path: str, tmp_path_factory) -> Iterator[Server]:
-    draft = init_drafter(model_path, tmp_path_factory.mktemp("drafter") / "d0")
-    server = start_server(model_path, "--speculative-draft-model-path", str(draft), "--enable-metrics",
-                          "--enable-return-hidden-states", *COTRAIN_FLAGS, log_name="cotrain")
-    yield server
-    server.stop()
+def _random_drafter(model_path: str, workdir: Path) -> Prepared:
+    draft = init_drafter(model_path, workdir / "d0")
+    return Prepared(args=("--speculative-draft-model-path", str(draft)))
+
+
+COTRAIN = Spec("cotrain", ("--enable-metrics", "--enable-return-hidden-states", *COTRAIN_FLAGS),
+               prepare=_random_drafter)
+cotrain_server = server_fixture(COTRAIN, scope="module",
+                                doc="EAGLE with a random-init drafter (`sglang_rl.drafter init`), co-training on.")
 
 
 def chat(url: str, messages: list[dict], opt_out: bool = False) -> dict:

@@ -11,13 +11,13 @@ order or an off-by-one position predicts other counts.
 from __future__ import annotations
 
 import json
-from typing import Iterator
+from pathlib import Path
 
 import pytest
 import requests
 import torch
 
-from e2e_servers import Server, start_server
+from e2e_servers import POOL, Prepared, Server, Spec, server_fixture
 
 STEPS = 3  # --speculative-num-steps: draft tokens per chain
 NEW_TOKENS = 40
@@ -28,19 +28,13 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def target(model_path: str):
+def _greedy(model_path: str) -> list[tuple[torch.Tensor, int, torch.Tensor]]:
+    """(prompt + greedy continuation ids, prompt length, last-layer rows) for each prompt."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(1)
     lm = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    return lm, AutoTokenizer.from_pretrained(model_path)
-
-
-@pytest.fixture(scope="module")
-def greedy(target) -> list[tuple[torch.Tensor, int, torch.Tensor]]:
-    """(prompt + greedy continuation ids, prompt length, last-layer rows) for each prompt."""
-    lm, tok = target
+    tok = AutoTokenizer.from_pretrained(model_path)
     out = []
     for text in PROMPTS:
         prompt = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
@@ -54,27 +48,46 @@ def greedy(target) -> list[tuple[torch.Tensor, int, torch.Tensor]]:
     return out
 
 
-@pytest.fixture(scope="module")
-def drafter(model_path: str, greedy, tmp_path_factory):
-    """A briefly trained drafter (drafts that are sometimes right), saved and loaded back."""
-    from sglang_rl.drafter import DrafterTrainer, EagleLossConfig, init_drafter, load_drafter, sample_from_rows, save_drafter
+def _train(model_path: str, greedy, folder: Path) -> Path:
+    """A briefly trained drafter (drafts that are sometimes right), saved to `folder`."""
+    from sglang_rl.drafter import DrafterTrainer, EagleLossConfig, init_drafter, sample_from_rows, save_drafter
 
     torch.manual_seed(0)
     model = init_drafter(model_path, seed=0)
     trainer = DrafterTrainer(model, lr=1e-3, loss=EagleLossConfig(soft_topk=64))
     trainer.train_steps([sample_from_rows(ids, rows, n) for ids, n, rows in greedy], 40)
-    folder = save_drafter(model, tmp_path_factory.mktemp("drafter") / "trained", dtype="float32")
-    return folder, load_drafter(folder, model_path)
+    return save_drafter(model, folder, dtype="float32")
+
+
+def _trained_drafter(model_path: str, workdir: Path) -> Prepared:
+    """The greedy references and the drafter trained on them (what the server is started with)."""
+    greedy = _greedy(model_path)
+    torch.save(greedy, workdir / "greedy.pt")
+    folder = _train(model_path, greedy, workdir / "trained")
+    return Prepared(args=("--speculative-draft-model-path", str(folder)),
+                    data={"folder": folder, "greedy": workdir / "greedy.pt"})
+
+
+EAGLE_EQUIVALENCE = Spec("eagle-equivalence", (
+    "--disable-radix-cache", "--speculative-algorithm", "EAGLE", "--speculative-num-steps", str(STEPS),
+    "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(STEPS + 1)),
+    prepare=_trained_drafter)
+eagle_server = server_fixture(EAGLE_EQUIVALENCE, scope="module", doc="EAGLE with the drafter of `_train`.")
 
 
 @pytest.fixture(scope="module")
-def eagle_server(model_path: str, drafter) -> Iterator[Server]:
-    server = start_server(model_path, "--disable-radix-cache", "--speculative-algorithm", "EAGLE",
-                          "--speculative-draft-model-path", str(drafter[0]), "--speculative-num-steps", str(STEPS),
-                          "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(STEPS + 1),
-                          log_name="eagle-equivalence")
-    yield server
-    server.stop()
+def greedy() -> list[tuple[torch.Tensor, int, torch.Tensor]]:
+    """(prompt + greedy continuation ids, prompt length, last-layer rows) for each prompt (`_greedy`)."""
+    return torch.load(POOL.prepared_data(EAGLE_EQUIVALENCE.key)["greedy"], weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def drafter(model_path: str):
+    """The drafter the server was started with (`_train`), loaded back from its folder."""
+    from sglang_rl.drafter import load_drafter
+
+    folder = POOL.prepared_data(EAGLE_EQUIVALENCE.key)["folder"]
+    return folder, load_drafter(folder, model_path)
 
 
 TIE_MARGIN = 0.02  # logits closer than this may flip between the server's rows and HF's (~1e-5 apart)

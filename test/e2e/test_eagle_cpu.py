@@ -22,14 +22,12 @@ from __future__ import annotations
 import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterator
 
-import pytest
 import requests
 import torch
 from safetensors.torch import load_file, save_file
 
-from e2e_servers import Server, start_server
+from e2e_servers import EAGER, Prepared, Server, Spec, server_fixture
 from hidden_states_fixtures import check_response, generate, hs_fields
 from toploc_helpers import assert_fingerprints_verify
 
@@ -42,9 +40,6 @@ PROMPTS = [
     "Write a haiku about the sea.",
 ]
 MAX_NEW = 24
-# sglang torch.compiles its draft-token selection; on CPU inductor builds C++ for it on first use
-# (10-20 s on a fresh machine, more per new shape), which eager execution does not need
-EAGER = {"TORCHDYNAMO_DISABLE": "1"}
 CHAT = [{"role": "user", "content": "Name three colors, then say hello five times."}]
 TIMEOUT = 300
 
@@ -87,18 +82,15 @@ def write_drafter(target: Path, out: Path, seed: int = 0) -> Path:
     return out
 
 
-@pytest.fixture(scope="module")
-def eagle_server(model_path: str, tmp_path_factory) -> Iterator[Server]:
-    drafter = write_drafter(Path(model_path), tmp_path_factory.mktemp("eagle") / "drafter")
-    server = start_server(
-        model_path, "--enable-return-hidden-states", "--toploc-verification",
-        "--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", str(drafter),
-        "--speculative-num-steps", str(STEPS), "--speculative-eagle-topk", "1",
-        "--speculative-num-draft-tokens", str(STEPS + 1),
-        log_name="eagle", env=EAGER,
-    )
-    yield server
-    server.stop()
+def _last_token_drafter(model_path: str, workdir: Path) -> Prepared:
+    return Prepared(args=("--speculative-draft-model-path", str(write_drafter(Path(model_path), workdir / "drafter"))))
+
+
+EAGLE = Spec("eagle", (
+    "--enable-return-hidden-states", "--toploc-verification", "--speculative-algorithm", "EAGLE",
+    "--speculative-num-steps", str(STEPS), "--speculative-eagle-topk", "1",
+    "--speculative-num-draft-tokens", str(STEPS + 1)), env=EAGER, prepare=_last_token_drafter)
+eagle_server = server_fixture(EAGLE, scope="module", doc="EAGLE with the last-token drafter of `write_drafter`.")
 
 
 def _all_at_once(url: str) -> list[dict]:

@@ -27,6 +27,8 @@ from hidden_states_fixtures import (
 
 RESULT_FIELD = "toploc_verification_fingerprint_validation_result"
 
+pytestmark = pytest.mark.uses_servers("hs_server", "hs_noradix_server")  # through request.getfixturevalue
+
 
 def _jobs(chat_prompt: str, verify: list[dict]) -> list[dict]:
     medium = "Once upon a time, in a small village by the sea, there lived an old fisherman who"

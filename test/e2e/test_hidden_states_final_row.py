@@ -18,6 +18,8 @@ from hidden_states_fixtures import (
     rows_of,
 )
 
+pytestmark = pytest.mark.uses_servers("hs_server", "hs_noradix_server")  # through request.getfixturevalue
+
 EOS_ID = 2  # <|im_end|>, generation_config.eos_token_id of SmolLM2-Instruct
 EOS_QUESTION = "What is 2+2? Answer with a number only."  # greedy: "2 + 2 = 4" then <|im_end|>
 

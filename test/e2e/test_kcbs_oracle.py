@@ -31,8 +31,11 @@ from kcbs_helpers import (
     pmap,
     prompt_ids,
     reference,
-    server_future,
+    shared_server,
+    start_server_ahead,
 )
+
+pytestmark = pytest.mark.uses_servers("plain_server")  # through kcbs_helpers.shared_server
 
 # (prompt, k, T, final_prune); chat prompts are the ones in CHAT_PROMPTS
 CASES = [
@@ -72,7 +75,7 @@ def _case_id(case: tuple) -> str:
 def run(model_path):
     """Boot the server in the background, compute every reference meanwhile, then send all cases
     to the server concurrently."""
-    future = server_future(model_path)
+    start_server_ahead()
     t0 = time.time()
     o = oracle(model_path)
     tok = o["tokenizer"]
@@ -81,7 +84,7 @@ def run(model_path):
         name, k, steps, prune = case
         refs[case] = reference(model_path, prompt_ids(tok, name), k, steps, prune)
     t_ref = time.time() - t0
-    server = future.result()
+    server = shared_server()
     t1 = time.time()
     outs = pmap(lambda c: generate(server.url, kcbs_body(prompt_ids(tok, c[0]), c[1], c[2], c[3])), CASES)
     print(f"\n[kcbs-oracle] reference {t_ref:.1f}s ({o['model'].misses} forwards, {o['model'].calls} calls), "

@@ -35,7 +35,6 @@ from kcbs_helpers import (
     post,
     prompt_ids,
     reference,
-    release_shared_server,
     server_log_tail,
     shared_server,
     stream_generate,
@@ -45,11 +44,9 @@ from kcbs_helpers import (
 
 
 @pytest.fixture(scope="module")
-def server(model_path):
-    """The k-CBS server shared with test_kcbs_oracle.py; this module runs last, so it stops the
-    server when it is done (the rest of the e2e suite does not use it)."""
-    yield shared_server(model_path)
-    release_shared_server()
+def server(plain_server):
+    """The k-CBS server shared with test_kcbs_oracle.py (the suite's plain server)."""
+    return shared_server()
 
 
 @pytest.fixture(scope="module")

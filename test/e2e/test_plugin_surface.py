@@ -19,7 +19,7 @@ import textwrap
 
 import pytest
 
-from e2e_servers import e2e_env, start_server
+from e2e_servers import POOL, Spec, e2e_env, server_fixture
 from sglang_rl.fingerprint import decode_fingerprint
 from toploc_helpers import RL_FIELDS, gen_generate, pmap, post, record, verify_tokens
 
@@ -90,9 +90,15 @@ def _env(extra: dict | None = None) -> dict:
     return {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", **e2e_env(extra)}
 
 
+DISABLED_SERVER = Spec("disabled", env=DISABLED)
+disabled_server = server_fixture(DISABLED_SERVER, scope="module",
+                                 doc="The plugin disabled: SGLANG_PLUGINS names a plugin that does not exist.")
+
+
 @pytest.fixture(scope="module")
 def launched(model_path, tmp_path_factory) -> dict:
-    """Help texts and the Engine script run as subprocesses while the disabled server starts."""
+    """Help texts and the Engine script run as subprocesses (while the disabled server starts, if
+    the pool has not started it ahead)."""
     tmp = tmp_path_factory.mktemp("surface")
     script = tmp / "engine_script.py"
     script.write_text(ENGINE_SCRIPT)
@@ -102,20 +108,17 @@ def launched(model_path, tmp_path_factory) -> dict:
         "engine": subprocess.Popen([sys.executable, str(script), model_path], env=_env(), cwd=str(tmp),
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
     }
-    disabled = None
     try:
-        disabled = start_server(model_path, log_name="disabled", env=DISABLED)
+        POOL.ensure_started(DISABLED_SERVER.key)
         outputs = {}
         for name, proc in procs.items():
             out, _ = proc.communicate(timeout=900)
             outputs[name] = (proc.returncode, out)
-        yield {"outputs": outputs, "disabled": disabled}
+        yield {"outputs": outputs}
     finally:
         for proc in procs.values():
             if proc.poll() is None:
                 proc.kill()
-        if disabled is not None:
-            disabled.stop()
 
 
 def test_help_lists_the_flags(launched) -> None:
@@ -204,8 +207,8 @@ def _collect(url: str) -> list[dict]:
     return pmap(one, PROMPTS, workers=4)
 
 
-def test_disabled_plugin_and_unflagged_plugin_answer_the_same(launched, plain_server) -> None:
-    disabled = launched["disabled"]
+def test_disabled_plugin_and_unflagged_plugin_answer_the_same(disabled_server, plain_server) -> None:
+    disabled = disabled_server
     with_plugin, without_plugin = _collect(plain_server.url), _collect(disabled.url)
     for prompt, a, b in zip(PROMPTS, with_plugin, without_plugin):
         for kind in ("generate", "completions", "chat"):
@@ -223,12 +226,12 @@ def test_disabled_plugin_and_unflagged_plugin_answer_the_same(launched, plain_se
            texts=[a["generate"]["text"] for a in with_plugin])
 
 
-def test_plugin_is_really_loaded_on_one_and_not_the_other(launched, plain_server) -> None:
+def test_plugin_is_really_loaded_on_one_and_not_the_other(disabled_server, plain_server) -> None:
     """return_output_ids is served by the plugin even without --toploc-verification; the disabled
     server does not know the field (so the comparison above compares the two situations)."""
     body = {"text": "Hello", "sampling_params": {"max_new_tokens": 3, "temperature": 0}, "return_output_ids": True}
     loaded = post(plain_server.url, "/generate", body)
     assert loaded.status_code == 200 and len(loaded.json()["meta_info"]["output_ids"]) == 3
     assert "toploc_verification_fingerprints" not in loaded.json()["meta_info"]
-    off = post(launched["disabled"].url, "/generate", body)
+    off = post(disabled_server.url, "/generate", body)
     assert off.status_code != 200 or "output_ids" not in off.json()["meta_info"], off.text[:300]

@@ -16,14 +16,11 @@ toploc's own proofs of the delivered rows, and it fails against another response
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterator
-
-import pytest
 
 import toploc
 import torch
 
-from e2e_servers import Server, start_server
+from e2e_servers import Server, Spec, server_fixture
 from hidden_states_fixtures import assert_serving, check_response, generate, hs_fields, report, rows_of
 from toploc_helpers import assert_fingerprints_verify, decode, last_fp, pmap
 
@@ -45,12 +42,8 @@ CASES = [
 MAX_NEW = 37  # not a multiple of any run length: the last run usually overshoots max_new_tokens
 
 
-@pytest.fixture(scope="module")
-def ngram_server(model_path: str) -> Iterator[Server]:
-    server = start_server(model_path, "--enable-return-hidden-states", "--toploc-verification",
-                          "--speculative-algorithm", "NGRAM", log_name="hs-ngram")
-    yield server
-    server.stop()
+NGRAM = Spec("hs-ngram", ("--enable-return-hidden-states", "--toploc-verification", "--speculative-algorithm", "NGRAM"))
+ngram_server = server_fixture(NGRAM, scope="module")
 
 
 def _one(url: str, prompt: str, case: tuple) -> dict:

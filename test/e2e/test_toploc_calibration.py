@@ -7,23 +7,17 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Iterator
 
-import pytest
 
-from e2e_servers import Server, start_server
+from e2e_servers import Server, Spec, server_fixture
 from sglang_rl.fingerprint.calibration import load_calibration
 from toploc_helpers import gen_generate, verify_tokens
 
 CALIBRATION = Path(__file__).resolve().parents[2] / "docs" / "results" / "cpu_smollm2_calibration.json"
 
 
-@pytest.fixture(scope="module")
-def calibrated_server(model_path: str) -> Iterator[Server]:
-    server = start_server(model_path, "--toploc-verification", "--toploc-verification-calibration",
-                          str(CALIBRATION), log_name="toploc-calibrated")
-    yield server
-    server.stop()
+CALIBRATED = Spec("toploc-calibrated", ("--toploc-verification", "--toploc-verification-calibration", str(CALIBRATION)))
+calibrated_server = server_fixture(CALIBRATED, scope="module")
 
 
 def test_calibrated_bounds_are_applied_and_named(calibrated_server: Server) -> None:

@@ -34,15 +34,6 @@ from toploc_helpers import (
 HEADER = struct.Struct(">2sBBHI")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _release_plain_server_after_module(plain_server):
-    """This module is the last one of the TOPLOC suite that uses `plain_server`: stop it when the
-    module ends, so that its memory is free for the three servers test_toploc_tamper.py starts
-    (on the shared test machine four extra servers at once got a scheduler OOM-killed)."""
-    yield
-    plain_server.stop()
-
-
 @pytest.fixture(scope="module")
 def material(toploc_server) -> dict:
     url = toploc_server.url

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from e2e_servers import start_servers
+from e2e_servers import Prepared, Spec, server_fixture
 from toploc_helpers import (
     gen_chat,
     gen_generate,
@@ -195,22 +195,29 @@ def noisy_copy(src: Path, dst: Path, relative: float, seed: int) -> Path:
     return dst
 
 
+def _noise1(model_path: str, workdir: Path) -> Prepared:
+    return Prepared(model=str(noisy_copy(Path(model_path), workdir / "noise-0.01", NOISE_LEVELS[0], seed=100)))
+
+
+def _noise5(model_path: str, workdir: Path) -> Prepared:
+    return Prepared(model=str(noisy_copy(Path(model_path), workdir / "noise-0.05", NOISE_LEVELS[1], seed=101)))
+
+
+# the other servers: 1% noise, 5% noise, bfloat16 (small KV caches: verification only)
+SMALL = ("--toploc-verification", "--max-total-tokens", "2048")
+OTHER_SERVERS = {
+    "noise1": Spec("noise1", SMALL, prepare=_noise1),
+    "noise5": Spec("noise5", SMALL, prepare=_noise5),
+    "bf16": Spec("bf16", ("--toploc-verification", "--dtype", "bfloat16", "--max-total-tokens", "2048")),
+}
+noise1_server = server_fixture(OTHER_SERVERS["noise1"], scope="module", doc="The model with 1% noise.")
+noise5_server = server_fixture(OTHER_SERVERS["noise5"], scope="module", doc="The model with 5% noise.")
+bf16_server = server_fixture(OTHER_SERVERS["bf16"], scope="module", doc="The model in bfloat16.")
+
+
 @pytest.fixture(scope="module")
-def other_servers(model_path, tmp_path_factory):
-    """Three servers at once: 1% noise, 5% noise, bfloat16 (small KV caches: verification only)."""
-    base = tmp_path_factory.mktemp("noisy-models")
-    specs = []
-    for i, level in enumerate(NOISE_LEVELS):
-        folder = noisy_copy(Path(model_path), base / f"noise-{level}", level, seed=100 + i)
-        specs.append({"model": str(folder), "args": ("--toploc-verification", "--max-total-tokens", "2048"),
-                      "log_name": f"noise{int(level * 100)}"})
-    specs.append({"model": model_path, "args": ("--toploc-verification", "--dtype", "bfloat16",
-                                                "--max-total-tokens", "2048"), "log_name": "bf16"})
-    servers = start_servers(specs)
-    named = dict(zip(["noise1", "noise5", "bf16"], servers))
-    yield named
-    for server in servers:
-        server.stop()
+def other_servers(noise1_server, noise5_server, bf16_server) -> dict:
+    return {"noise1": noise1_server, "noise5": noise5_server, "bf16": bf16_server}
 
 
 @pytest.fixture(scope="module")

@@ -11,12 +11,10 @@ both sides deterministic; the comparison is exact.
 
 from __future__ import annotations
 
-from typing import Iterator
-
 import pytest
 
 from differential import Case, compare
-from e2e_servers import Server, start_servers
+from e2e_servers import Server, Spec, server_fixture
 
 FLAGS = ("--enable-return-hidden-states", "--disable-radix-cache")
 ORACLE_ENV = {"SGLANG_PLUGINS": "sgl_kernel_cpu_standin"}
@@ -116,15 +114,15 @@ PLUGIN_CASES = [
 ]
 
 
+ORACLE = Spec("differential-oracle", FLAGS, env=ORACLE_ENV)
+TOPLOC = Spec("differential-toploc", (*FLAGS, "--toploc-verification"))
+oracle_server = server_fixture(ORACLE, scope="module", doc="sglang alone: the plugin disabled.")
+differential_toploc_server = server_fixture(TOPLOC, scope="module")
+
+
 @pytest.fixture(scope="module")
-def servers(model_path: str, hs_noradix_server: Server) -> Iterator[dict[str, Server]]:
-    oracle, toploc = start_servers([
-        {"model": model_path, "args": FLAGS, "log_name": "differential-oracle", "env": ORACLE_ENV},
-        {"model": model_path, "args": (*FLAGS, "--toploc-verification"), "log_name": "differential-toploc"},
-    ])
-    yield {"oracle": oracle, "plugin": hs_noradix_server, "toploc": toploc}
-    oracle.stop()
-    toploc.stop()
+def servers(oracle_server, hs_noradix_server, differential_toploc_server) -> dict[str, Server]:
+    return {"oracle": oracle_server, "plugin": hs_noradix_server, "toploc": differential_toploc_server}
 
 
 def _differences(servers: dict[str, Server], cases: list[Case]) -> list[str]:
