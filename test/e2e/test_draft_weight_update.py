@@ -45,7 +45,7 @@ import torch.multiprocessing  # noqa: F401 - registers the tensor reductions For
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from e2e_servers import POOL, Prepared, Server, ServerHandle, Spec, e2e_env, server_fixture
+from e2e_servers import EAGER, POOL, Prepared, Server, ServerHandle, Spec, e2e_env, server_fixture
 from sglang_rl.drafter import EagleDrafter, init_drafter, save_drafter, sglang_weights
 
 K = 3  # draft steps per verify (topk 1: a chain of K proposals)
@@ -227,7 +227,7 @@ def _start_drafter(model_path: str, workdir: Path) -> Prepared:
 
 EAGLE = Spec("draft-weights", (
     "--speculative-algorithm", "EAGLE", "--speculative-num-steps", str(K), "--speculative-eagle-topk", "1",
-    "--speculative-num-draft-tokens", str(K + 1), "--max-running-requests", "8"), prepare=_start_drafter)
+    "--speculative-num-draft-tokens", str(K + 1), "--max-running-requests", "8"), env=EAGER, prepare=_start_drafter)
 
 eagle = server_fixture(EAGLE, scope="module", doc="EAGLE with the start-up drafter (`_start_drafter`). Its "
                        "draft and target weights are changed by the tests here, each of which puts them back.")
@@ -255,7 +255,7 @@ def engine_job(model_path: str, drafts: Drafts, folders: dict) -> Iterator[dict]
     save_file(drafts.weights(token), str(root / "engine_push.safetensors"))
     script = root / "engine_script.py"
     script.write_text(ENGINE_SCRIPT)
-    env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", **e2e_env()}
+    env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", **e2e_env(EAGER)}
     log = root / "engine.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(

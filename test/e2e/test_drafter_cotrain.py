@@ -21,7 +21,7 @@ import pytest
 import requests
 import torch
 
-from e2e_servers import Prepared, Server, Spec, e2e_env, server_fixture
+from e2e_servers import EAGER, Prepared, Server, Spec, e2e_env, server_fixture
 from toploc_helpers import assert_fingerprints_verify
 
 TRAIN_PROMPTS = 48
@@ -57,7 +57,7 @@ def _random_drafter(model_path: str, workdir: Path) -> Prepared:
     return Prepared(args=("--speculative-draft-model-path", str(draft)))
 
 
-COTRAIN = Spec("cotrain", ("--enable-metrics", "--enable-return-hidden-states", *COTRAIN_FLAGS),
+COTRAIN = Spec("cotrain", ("--enable-metrics", "--enable-return-hidden-states", *COTRAIN_FLAGS), env=EAGER,
                prepare=_random_drafter)
 cotrain_server = server_fixture(COTRAIN, scope="module",
                                 doc="EAGLE with a random-init drafter (`sglang_rl.drafter init`), co-training on.")

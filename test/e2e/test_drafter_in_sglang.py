@@ -17,7 +17,7 @@ import pytest
 import requests
 import torch
 
-from e2e_servers import POOL, Prepared, Server, Spec, server_fixture
+from e2e_servers import EAGER, POOL, Prepared, Server, Spec, server_fixture
 
 STEPS = 3  # --speculative-num-steps: draft tokens per chain
 NEW_TOKENS = 40
@@ -70,7 +70,7 @@ def _trained_drafter(model_path: str, workdir: Path) -> Prepared:
 
 EAGLE_EQUIVALENCE = Spec("eagle-equivalence", (
     "--disable-radix-cache", "--speculative-algorithm", "EAGLE", "--speculative-num-steps", str(STEPS),
-    "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(STEPS + 1)),
+    "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(STEPS + 1)), env=EAGER,
     prepare=_trained_drafter)
 eagle_server = server_fixture(EAGLE_EQUIVALENCE, scope="module", doc="EAGLE with the drafter of `_train`.")
 

@@ -26,6 +26,7 @@ import ray
 import requests
 from omegaconf import open_dict
 
+from e2e_servers import EAGER
 from test_drafter_cotrain import gsm8k, init_drafter
 from sglang_rl.request_options import FINGERPRINTS_FIELD
 from toploc_helpers import assert_fingerprints_verify
@@ -79,7 +80,7 @@ def verl_server(model_path: str, tmp_path_factory) -> Iterator[tuple]:
     # loopback only: verl serves HTTP on Ray's node address
     ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
              runtime_env={"worker_process_setup_hook": example_setup_hook(model_path),
-                          "env_vars": {"OMP_NUM_THREADS": "1", "SGLANG_RL_ROLLOUT_SAMPLE_DIR": str(sample_dir),
+                          "env_vars": {"OMP_NUM_THREADS": "1", **EAGER, "SGLANG_RL_ROLLOUT_SAMPLE_DIR": str(sample_dir),
                                        "SGLANG_RL_ROLLOUT_SAMPLE_RATE": "1.0"}})
     try:
         server = _verl_server(model_path, str(draft))
