@@ -16,6 +16,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import requests
@@ -94,14 +95,15 @@ def held_out(url: str, prompts: list) -> tuple[float, list[dict]]:
 
 
 def wait_rounds(url: str, rounds: int, timeout: float = 600) -> dict:
-    """Rounds are applied between batches: keep one cheap opted-out request going until they land."""
+    """Until `rounds` rounds are applied. The scheduler applies finished rounds between batches,
+    and also when it answers /drafter_cotrain_stats (`stats_request` polls the trainer first), so
+    asking for the stats is enough: no request has to keep it busy meanwhile."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         current = stats(url)
         if current["rounds"] >= rounds or current["errors"]:
             return current
-        chat(url, [{"role": "user", "content": "Hi"}], opt_out=True)
-        time.sleep(2)
+        time.sleep(0.5)
     raise AssertionError(f"only {stats(url)['rounds']} of {rounds} rounds after {timeout}s")
 
 
@@ -113,10 +115,14 @@ def test_cotraining_raises_held_out_acceptance(cotrain_server: Server, toploc_se
     acc0, messages0 = held_out(url, prompts)
     ids0 = [m["output_ids"] for m in messages0]
 
+    # the rollouts of a round's worth of prompts after another, as an RL step's would come: the
+    # trainer trains on each batch while the next one is served (it starts a round once a round's
+    # worth of samples came in; the inbox holds 64), and the server swaps each round in between
+    # batches as it lands
     for k in range(TRAIN_PROMPTS // ROUND):
         with ThreadPoolExecutor(8) as pool:
             list(pool.map(lambda i: chat(url, prompts[i]), range(k * ROUND, (k + 1) * ROUND)))
-        wait_rounds(url, k + 1)
+    wait_rounds(url, TRAIN_PROMPTS // ROUND)
     trained = stats(url)
     assert not trained["errors"], trained["errors"]
     assert trained["samples"] >= TRAIN_PROMPTS  # and sglang's start-up warm-up request
@@ -249,17 +255,43 @@ def test_opt_out_field_is_validated(cotrain_server: Server, plain_server: Server
     assert no_stats.status_code in (400, 404), no_stats.text
 
 
-@pytest.mark.parametrize("flags, reason", [
+BAD_OPTIONS = [
     (("--drafter-cotrain",), "--speculative-algorithm EAGLE"),
     (("--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "/nonexistent",
       "--drafter-cotrain", "--drafter-cotrain-lr", "5"), "lr must be in (0, 1)"),
     (("--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "/nonexistent",
       "--drafter-cotrain", "--drafter-cotrain-samples-per-round", "0"), "samples_per_round must be a positive"),
-])
-def test_bad_options_are_refused_at_start(model_path: str, flags: tuple, reason: str) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--device", "cpu", *flags],
-        env={**os.environ, "SGLANG_USE_CPU_ENGINE": "1", **e2e_env()}, capture_output=True, text=True,
-        timeout=300)
-    assert proc.returncode != 0
-    assert reason in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-2000:]
+]
+
+
+@pytest.fixture(scope="module")
+def refused_starts(model_path: str, tmp_path_factory) -> Iterator:
+    """`launch_server` with each set of bad options, all started at once (each is an interpreter
+    that imports sglang and stops at the options: one core each, mostly)."""
+    env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", **e2e_env()}
+    logs = tmp_path_factory.mktemp("refused-starts")
+    procs = {}
+    for i, (flags, _) in enumerate(BAD_OPTIONS):
+        with open(logs / f"{i}.out", "w") as out, open(logs / f"{i}.err", "w") as err:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--device", "cpu", *flags],
+                env=env, stdout=out, stderr=err, text=True)
+        procs[flags] = (proc, logs / f"{i}.out", logs / f"{i}.err")
+
+    def result(flags: tuple) -> tuple:
+        proc, out, err = procs[flags]
+        proc.wait(timeout=300)
+        return proc.returncode, out.read_text(), err.read_text()
+
+    yield result
+    for proc, _, _ in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("flags, reason", BAD_OPTIONS)
+def test_bad_options_are_refused_at_start(refused_starts, flags: tuple, reason: str) -> None:
+    returncode, stdout, stderr = refused_starts(flags)
+    assert returncode != 0
+    assert reason in stdout + stderr, (stdout + stderr)[-2000:]
