@@ -115,14 +115,10 @@ def test_cotraining_raises_held_out_acceptance(cotrain_server: Server, toploc_se
     acc0, messages0 = held_out(url, prompts)
     ids0 = [m["output_ids"] for m in messages0]
 
-    # the rollouts of a round's worth of prompts after another, as an RL step's would come: the
-    # trainer trains on each batch while the next one is served (it starts a round once a round's
-    # worth of samples came in; the inbox holds 64), and the server swaps each round in between
-    # batches as it lands
     for k in range(TRAIN_PROMPTS // ROUND):
         with ThreadPoolExecutor(8) as pool:
             list(pool.map(lambda i: chat(url, prompts[i]), range(k * ROUND, (k + 1) * ROUND)))
-    wait_rounds(url, TRAIN_PROMPTS // ROUND)
+        wait_rounds(url, k + 1)
     trained = stats(url)
     assert not trained["errors"], trained["errors"]
     assert trained["samples"] >= TRAIN_PROMPTS  # and sglang's start-up warm-up request
