@@ -6,9 +6,10 @@
 #   ARMS ("plain eagle cotrain"), GPUS (2), FIXED_DRAFTER (the eagle arm's drafter; default: one
 #   trained offline on the initial policy's rollouts of the train prompts, OFFLINE_BUDGET_S (600)
 #   seconds with benchmark/bench_cotrain.py, from the random-init drafter the co-training arm
-#   starts from), CALIBRATION (the verifier's calibration file), VERIFIER_ARGS (its other flags)
+#   starts from), SAMPLE_RATE (the share of rollouts kept for the audit, 0.05), AUDIT (1; 0 skips the
+#   audit), CALIBRATION (the verifier's calibration file), VERIFIER_ARGS (its other flags)
 set -euo pipefail
-if [ $# -lt 2 ] || [ "$1" = -h ] || [ "$1" = --help ]; then sed -n '2,9p' "$0" | cut -c3-; exit 0; fi
+if [ $# -lt 2 ] || [ "$1" = -h ] || [ "$1" = --help ]; then sed -n '2,10p' "$0" | cut -c3-; exit 0; fi
 cd "$(dirname "$0")/.."
 MODEL=$1 OUT=$2
 shift 2
@@ -29,7 +30,7 @@ for arm in $ARMS; do
   echo "=== arm $arm: $(date -u +%FT%TZ)"
   VERL_FILE_LOGGER_ROOT=$OUT/logs $PY examples/verl/run_grpo.py --arm "$arm" --model-path "$MODEL" \
     --drafter-path "$drafter" --data-dir "$OUT/data" --steps "$STEPS" --gpus "$GPUS" \
-    --rollout-sample-dir "$OUT/rollout_sample/$arm" \
+    --rollout-sample-dir "$OUT/rollout_sample/$arm" --rollout-sample-rate "${SAMPLE_RATE:-0.05}" \
     data.train_batch_size="$BATCH" actor_rollout_ref.actor.ppo_mini_batch_size="$BATCH" \
     actor_rollout_ref.rollout.n="$N" "$@" \
     > "$OUT/$arm.log" 2>&1 || { echo "arm $arm failed:"; tail -40 "$OUT/$arm.log"; }
@@ -37,7 +38,7 @@ done
 $PY benchmark/verl_grpo_table.py "$OUT/logs/sglang-rl-gsm8k" --samples-per-step $((BATCH * N)) \
   $($PY -c "import matplotlib" 2>/dev/null && echo --png "$OUT/grpo.png")
 # the audit: 256 random co-training rollouts on a separate verifier with calibrated bounds
-if [ -d "$OUT/rollout_sample/cotrain" ]; then
+if [ "${AUDIT:-1}" = 1 ] && [ -d "$OUT/rollout_sample/cotrain" ]; then
   $PY -m sglang.launch_server --model-path "$MODEL" --toploc-verification --port 31111 \
     --toploc-verification-calibration "${CALIBRATION:-docs/results/gpu_h200_smollm2_calibration.json}" \
     ${VERIFIER_ARGS:-} > "$OUT/verifier.log" 2>&1 &

@@ -44,7 +44,7 @@ def sglang_kwargs(arm: str, drafter_path: str | None) -> dict:
 
 def overrides(arm: str, model_path: str, data_dir: str, drafter_path: str | None = None,
               steps: int = 30, gpus: int = 2, batch: int = 64, samples: int = 8,
-              rollout_sample_dir: str | None = None) -> list[str]:
+              rollout_sample_dir: str | None = None, rollout_sample_rate: float = 0.05) -> list[str]:
     """verl's hydra overrides for one arm."""
     if arm not in ARMS:
         raise ValueError(f"--arm must be one of {', '.join(ARMS)}")
@@ -88,8 +88,10 @@ def overrides(arm: str, model_path: str, data_dir: str, drafter_path: str | None
         "trainer.v1.trainer_mode=sglang_rl_sync",
         f"+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook={SETUP_HOOK}",
     ]
-    if rollout_sample_dir:  # a random 5% of the rollouts, with their ids, for an audit after the run
-        args.append(f"+ray_kwargs.ray_init.runtime_env.env_vars.SGLANG_RL_ROLLOUT_SAMPLE_DIR={rollout_sample_dir}")
+    if rollout_sample_dir:  # a random share of the rollouts, with their ids, for an audit after the run
+        env = "+ray_kwargs.ray_init.runtime_env.env_vars"
+        args += [f"{env}.SGLANG_RL_ROLLOUT_SAMPLE_DIR={rollout_sample_dir}",
+                 f"{env}.SGLANG_RL_ROLLOUT_SAMPLE_RATE='{rollout_sample_rate}'"]  # quoted: Ray wants a string
     if arm != "plain":  # verl's switch for speculative rollout: EAGLE, 3 steps, top-1, 4 draft tokens
         args += ["actor_rollout_ref.model.mtp.enable=True", "actor_rollout_ref.model.mtp.enable_rollout=True"]
     args += [f"+{rollout}.engine_kwargs.sglang.{key}={value}"
@@ -105,14 +107,17 @@ def main() -> None:
     parser.add_argument("--data-dir", required=True, help="folder written by prepare_gsm8k.py")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--gpus", type=int, default=2)
-    parser.add_argument("--rollout-sample-dir", help="write a random 5%% of the rollouts here for an audit "
+    parser.add_argument("--rollout-sample-dir", help="write a random share of the rollouts here for an audit "
                         "(sglang-rl audit)")
+    parser.add_argument("--rollout-sample-rate", type=float, default=0.05,
+                        help="the share of rollouts --rollout-sample-dir gets (default 0.05)")
     parser.add_argument("--print", action="store_true", help="print verl's command instead of running it")
     args, extra = parser.parse_known_args()
     try:
         command = [sys.executable, "-m", "verl.trainer.main_ppo",
                    *overrides(args.arm, args.model_path, args.data_dir, args.drafter_path, args.steps, args.gpus,
-                             rollout_sample_dir=args.rollout_sample_dir),
+                             rollout_sample_dir=args.rollout_sample_dir,
+                             rollout_sample_rate=args.rollout_sample_rate),
                    *extra]
     except ValueError as error:
         parser.error(str(error))

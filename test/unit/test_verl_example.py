@@ -68,8 +68,10 @@ def test_arms_compose_into_verl_config(arm: str) -> None:
 
 
 def test_rollout_sample_goes_to_every_ray_worker() -> None:
-    config = example_config("cotrain", "/m", "/drafters/d0", rollout_sample_dir="/audit")
-    assert config.ray_kwargs.ray_init.runtime_env.env_vars.SGLANG_RL_ROLLOUT_SAMPLE_DIR == "/audit"
+    config = example_config("cotrain", "/m", "/drafters/d0", rollout_sample_dir="/audit", rollout_sample_rate=0.2)
+    env_vars = config.ray_kwargs.ray_init.runtime_env.env_vars
+    assert env_vars.SGLANG_RL_ROLLOUT_SAMPLE_DIR == "/audit"
+    assert env_vars.SGLANG_RL_ROLLOUT_SAMPLE_RATE == "0.2"  # a string: Ray refuses other env values
     assert "env_vars" not in example_config("plain", "/m", None).ray_kwargs.ray_init.runtime_env
 
 
