@@ -158,6 +158,7 @@ def test_verl_rollouts_are_fingerprinted_and_cotrain_the_drafter(verl_server, mo
     assert sorted(r["output_ids"] for r in written) == sorted(list(o.token_ids) for o in outs)
     audit = _audit(toploc_server.url, sample_dir)
     assert audit.returncode == 0 and f"verified {ROLLOUTS} of {ROLLOUTS}" in audit.stdout, audit.stdout + audit.stderr
+    assert "by RL step (verified/sampled): " in audit.stdout
     tampered = sample_dir.parent / "tampered"
     tampered.mkdir()
     ids = written[0]["output_ids"]

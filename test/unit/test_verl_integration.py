@@ -263,3 +263,12 @@ def test_buffer_budgets_aligned_samples() -> None:
     assert buf.nbytes == a.nbytes + b.nbytes
     buf.add(a)
     assert buf.get_all()[0] is b and len(buf) == 2
+
+
+def test_audit_counts_verified_rollouts_per_rl_step() -> None:
+    from sglang_rl.integrations.verl.audit import by_step
+
+    results = [({"global_steps": 2}, {"verified": True}), ({"global_steps": 1}, {"verified": False}),
+               ({"global_steps": 2}, {"error": "timeout"}), ({"global_steps": 1}, {"verified": True}),
+               ({}, {"verified": True})]
+    assert by_step(results) == {1: (1, 2), 2: (1, 2), None: (1, 1)}

@@ -50,6 +50,15 @@ def audit(server: str, rollouts: list[dict], workers: int = 8) -> list[tuple[dic
     return list(zip(rollouts, reports))
 
 
+def by_step(results: list[tuple[dict, dict]]) -> dict[Any, tuple[int, int]]:
+    """(verified, sampled) per RL step: the verifier serves one policy, the run's moved each step."""
+    counts: dict[Any, tuple[int, int]] = {}
+    for rollout, report in results:
+        ok, n = counts.get(rollout.get("global_steps"), (0, 0))
+        counts[rollout.get("global_steps")] = (ok + (report.get("verified") is True), n + 1)
+    return counts
+
+
 def main(argv: Any = None) -> int:
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--server", required=True, help="verifier URL")
@@ -71,6 +80,8 @@ def main(argv: Any = None) -> int:
               f"{report.get('error') or json.dumps(report)[:300]}")
     print(f"verified {len(results) - len(failed)} of {len(results)} rollouts "
           f"(sampled from {len(rollouts)}) on {args.server}")
+    steps = sorted(by_step(results).items(), key=lambda item: (item[0] is None, item[0] or 0))
+    print("by RL step (verified/sampled): " + ", ".join(f"{step}: {ok}/{n}" for step, (ok, n) in steps))
     return 1 if failed else 0
 
 
