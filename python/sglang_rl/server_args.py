@@ -43,6 +43,11 @@ class RLServerArgs(ServerArgs):
         "toploc_verification_expect_sampled (Z is standard normal for honest sampling: 4.0 rejects "
         "6.3e-5 of honest responses).",
     ] = 4.0
+    toploc_verification_min_eos_prob: A[
+        float,
+        "sglang-rl: a verified response that ends on an EOS / stop token must have given it at least this "
+        "probability at that position, else its verdict is fail (0 turns the check off).",
+    ] = 0.02
     toploc_verification_calibration: A[
         Optional[str],
         "sglang-rl: calibration file of the served model (written by sglang-rl calibrate): "
@@ -83,10 +88,24 @@ class RLServerArgs(ServerArgs):
     drafter_cotrain_threads: A[
         int, "sglang-rl: torch threads of the co-training process (0: torch's default)."
     ] = 0
+    drafter_cotrain_unroll_steps: A[
+        int, "sglang-rl: draft steps trained on the drafter's own rows (1: teacher forcing only)."
+    ] = 1
+    drafter_cotrain_replay_samples: A[
+        int, "sglang-rl: older samples replayed per round from the whole buffer (newer policies more often)."
+    ] = 0
+    drafter_cotrain_lr_schedule: A[
+        Optional[str], "sglang-rl: lr schedule over rounds, e.g. warmup=1,cosine=16,floor=0.1 (default: constant)."
+    ] = None
+    drafter_cotrain_train_dtype: A[
+        str, "sglang-rl: compute dtype of co-training (bfloat16: autocast, float32 weights)."
+    ] = "float32"
 
     def __post_init__(self) -> None:
         if self.toploc_verification_topk < 1 or self.toploc_verification_topk > 4096:
             raise ValueError("--toploc-verification-topk must be between 1 and 4096")
+        if not 0.0 <= self.toploc_verification_min_eos_prob < 1.0:
+            raise ValueError("--toploc-verification-min-eos-prob must be in [0, 1)")
         if self.toploc_verification and self.speculative_algorithm:
             self._check_toploc_speculative()
         if self.toploc_verification_calibration is not None:

@@ -63,6 +63,10 @@ def config_from_args(server_args: Any) -> CotrainConfig:
         soft_topk=server_args.drafter_cotrain_soft_topk,
         serve_dtype=dtype if dtype in ("float32", "float16", "bfloat16") else "bfloat16",
         threads=server_args.drafter_cotrain_threads,
+        unroll_steps=server_args.drafter_cotrain_unroll_steps,
+        replay_samples=server_args.drafter_cotrain_replay_samples,
+        lr_schedule=server_args.drafter_cotrain_lr_schedule,
+        train_dtype=server_args.drafter_cotrain_train_dtype,
     )
     config.check()
     return config
