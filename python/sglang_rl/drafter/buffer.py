@@ -106,6 +106,17 @@ class HiddenStateReplayBuffer:
         min_step = self._current_step - n + 1
         return [sample for step, _, sample in self._items if step >= min_step]
 
+    def replay(self, n: int, decay: float, exclude: list[Any], generator: torch.Generator) -> list[Any]:
+        """Up to ``n`` distinct stored samples not in ``exclude``, drawn at random with weight
+        ``decay ** (current_step - step)``: the whole buffer is replayed, newer policies more often."""
+        skip = {id(s) for s in exclude}
+        pool = [(step, sample) for step, _, sample in self._items if id(sample) not in skip]
+        if n <= 0 or not pool:
+            return []
+        weights = torch.tensor([decay ** (self._current_step - step) for step, _ in pool], dtype=torch.float64)
+        picks = torch.multinomial(weights, min(n, len(pool)), replacement=False, generator=generator)
+        return [pool[i][1] for i in sorted(picks.tolist())]
+
     def clear(self) -> None:
         """Drop every sample; the step counter is kept."""
         self._items.clear()

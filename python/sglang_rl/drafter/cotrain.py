@@ -9,7 +9,9 @@ A round starts once ``samples_per_round`` new samples have arrived since the las
 samples of the newest policy version: after an RL step changes the target, what the drafter must
 learn is the new policy's rows, and older samples only fill the round when too few new ones exist.
 The buffer is bounded in bytes (:class:`HiddenStateReplayBuffer`) and tags each sample with the
-policy version that produced it.
+policy version that produced it. With ``replay_samples`` a round also replays that many older
+samples drawn from the whole buffer, weighted ``replay_decay ** (versions behind)``, so the drafter
+keeps what it learnt from earlier rollouts without preferring stale policies.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from sglang_rl.drafter.checkpoint import load_drafter, sglang_weights
 from sglang_rl.drafter.config import dtype_from_name
 from sglang_rl.drafter.data import sample_from_rows
 from sglang_rl.drafter.loss import EagleLossConfig
+from sglang_rl.drafter.schedule import LrSchedule
 from sglang_rl.drafter.trainer import DrafterTrainer
 from sglang_rl.drafter.buffer import HiddenStateReplayBuffer
 
@@ -51,6 +54,11 @@ class CotrainConfig:
     serve_dtype: str = "bfloat16"
     train_dtype: str = "float32"
     threads: int = 0
+    unroll_steps: int = 1
+    replay_samples: int = 0
+    replay_decay: float = 0.5
+    lr_schedule: Optional[str] = None
+    seed: int = 0
 
     def check(self) -> None:
         """Raise ValueError naming the first bad value."""
@@ -67,6 +75,16 @@ class CotrainConfig:
             raise ValueError("drafter co-training: window must be >= 2 (a pair needs two rows)")
         for name in ("serve_dtype", "train_dtype"):
             dtype_from_name(getattr(self, name))
+        if isinstance(self.unroll_steps, bool) or not isinstance(self.unroll_steps, int) or not 1 <= self.unroll_steps <= 8:
+            raise ValueError(f"drafter co-training: unroll_steps must be an integer in 1..8, got {self.unroll_steps!r}")
+        if isinstance(self.replay_samples, bool) or not isinstance(self.replay_samples, int) or self.replay_samples < 0:
+            raise ValueError(f"drafter co-training: replay_samples must be >= 0, got {self.replay_samples!r}")
+        if not (isinstance(self.replay_decay, (int, float)) and 0 < self.replay_decay <= 1):
+            raise ValueError(f"drafter co-training: replay_decay must be in (0, 1], got {self.replay_decay!r}")
+        try:
+            LrSchedule.parse(self.lr_schedule)
+        except ValueError as exc:
+            raise ValueError(f"drafter co-training: {exc}") from None
 
 
 @dataclasses.dataclass
@@ -111,10 +129,16 @@ class CotrainLoop:
         config.check()
         self.config = config
         device = torch.device(config.device)
-        model = load_drafter(config.draft_path, config.target_path, dtype=dtype_from_name(config.train_dtype))
+        # weights and AdamW state stay float32; a lower train_dtype is autocast compute
+        model = load_drafter(config.draft_path, config.target_path, dtype=torch.float32)
+        schedule = LrSchedule.parse(config.lr_schedule)
+        per_round = config.steps
         self.trainer = DrafterTrainer(
             model.to(device), lr=config.lr, window=config.window,
-            loss=EagleLossConfig(soft_topk=config.soft_topk))
+            loss=EagleLossConfig(soft_topk=config.soft_topk), unroll_steps=config.unroll_steps,
+            lr_factor=None if schedule.constant else (lambda step: schedule.factor(step / per_round)),
+            autocast_dtype=dtype_from_name(config.train_dtype))
+        self.generator = torch.Generator().manual_seed(config.seed)
         self.buffer = HiddenStateReplayBuffer(config.buffer_bytes)
         self.fresh = 0
         self.received = 0
@@ -148,14 +172,16 @@ class CotrainLoop:
         return self.fresh >= self.config.samples_per_round
 
     def round_samples(self) -> list:
-        """The newest ``samples_per_round`` samples, newest policy version first."""
+        """The newest ``samples_per_round`` samples, newest policy version first, then
+        ``replay_samples`` older ones drawn from the whole buffer (newer versions more likely)."""
         want = self.config.samples_per_round
         newest = self.buffer.get_data_from_last_n_steps(1)
         chosen = newest[-want:]
         if len(chosen) < want:
             older = [s for s in self.buffer.get_all() if not any(s is c for c in newest)]
             chosen = older[-(want - len(chosen)):] + chosen
-        return chosen
+        replay = self.buffer.replay(self.config.replay_samples, self.config.replay_decay, chosen, self.generator)
+        return chosen + replay
 
     def train_round(self) -> tuple[list[tuple[str, torch.Tensor]], dict]:
         """One round: train, then the new draft weights (serving dtype, CPU) and its metrics."""
@@ -174,6 +200,8 @@ class CotrainLoop:
             "loss": sum(h["loss"] for h in last) / len(last),
             "top1_agreement": sum(h["top1_agreement"] for h in last) / len(last),
             "first_loss": history[0]["loss"],
+            **{key: sum(h[key] for h in last) / len(last) for key in last[0] if key.startswith("top1_agreement_step")},
+            "lr": history[-1]["lr"],
             "samples_used": len(samples),
             "pairs": int(sum(b.num_loss_pairs for b in batches)),
             "seconds": time.perf_counter() - start,

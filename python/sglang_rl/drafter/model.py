@@ -99,14 +99,23 @@ class DraftAttention(nn.Module):
         self.v_proj = nn.Linear(h, self.n_kv * d, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * d, h, bias=config.o_bias)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bounds: list[tuple[int, int]]
-    ) -> torch.Tensor:
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Rotated ``q [heads, N, d]`` and ``k, v [kv_heads, N, d]`` of ``x [N, H]``."""
         n = x.shape[0]
         q = apply_rotary(self.q_proj(x).view(n, self.n_heads, self.head_dim), cos, sin, self.rotary_dim)
         k = apply_rotary(self.k_proj(x).view(n, self.n_kv, self.head_dim), cos, sin, self.rotary_dim)
         v = self.v_proj(x).view(n, self.n_kv, self.head_dim)
-        q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [heads, N, d]
+        return tuple(t.transpose(0, 1) for t in (q, k, v))
+
+    def out(self, heads: torch.Tensor) -> torch.Tensor:
+        """``o_proj`` of the attention output ``[heads, N, d]``."""
+        n = heads.shape[1]
+        return self.o_proj(heads.transpose(0, 1).reshape(n, self.n_heads * self.head_dim))
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bounds: list[tuple[int, int]]
+    ) -> torch.Tensor:
+        q, k, v = self.qkv(x, cos, sin)
         gqa = self.n_heads != self.n_kv
         parts = [
             F.scaled_dot_product_attention(
@@ -114,8 +123,7 @@ class DraftAttention(nn.Module):
             )[0]
             for a, b in bounds
         ]
-        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-        return self.o_proj(out.transpose(0, 1).reshape(n, self.n_heads * self.head_dim))
+        return self.out(parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))
 
 
 class DraftMLP(nn.Module):
@@ -144,9 +152,13 @@ class DraftDecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bounds: list[tuple[int, int]]
     ) -> torch.Tensor:
+        return self.finish(x, self.self_attn(x, cos, sin, bounds))
+
+    def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The layer's output from its input ``x`` and the attention output ``attn``."""
         # sglang's fused add+norm: the sum is formed in float32, normalised unrounded, and
         # rounded to the compute dtype only for the residual stream
-        total = self.self_attn(x, cos, sin, bounds).to(torch.float32) + x.to(torch.float32)
+        total = attn.to(torch.float32) + x.to(torch.float32)
         residual = total.to(x.dtype)
         return self.mlp(self.post_attention_layernorm(total, x.dtype)) + residual
 

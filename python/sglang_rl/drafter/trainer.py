@@ -15,9 +15,10 @@ verification.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Mapping
+from contextlib import nullcontext
+from typing import Any, Callable, ContextManager, Mapping
 
 import torch
 
@@ -26,6 +27,7 @@ from sglang_rl.drafter.data import batches_from_samples
 from sglang_rl.drafter.loss import EagleLossConfig, SoftTargets, eagle_loss, soft_targets
 from sglang_rl.drafter.model import EagleDrafter
 from sglang_rl.drafter.sample import AlignedSample
+from sglang_rl.drafter.unroll import unroll_valid, unrolled_predictions
 from sglang_rl.drafter.window import DEFAULT_WINDOW
 
 __all__ = ["DrafterTrainer", "PreparedBatch"]
@@ -55,6 +57,13 @@ class PreparedBatch:
         return int((self.loss_mask > 0).sum())
 
 
+def _subset(soft: SoftTargets, rows: torch.Tensor) -> SoftTargets:
+    """The soft targets of the rows selected by the boolean ``rows [M]``."""
+    probs = None if soft.probs is None else soft.probs[rows]
+    ids = None if soft.token_ids is None else soft.token_ids[rows]
+    return SoftTargets(top1=soft.top1[rows], probs=probs, token_ids=ids, subset=soft.subset)
+
+
 class DrafterTrainer:
     """Holds an :class:`EagleDrafter` and its optimizer; see the module docstring."""
 
@@ -68,9 +77,26 @@ class DrafterTrainer:
         loss: EagleLossConfig = EagleLossConfig(),
         window: int = DEFAULT_WINDOW,
         full_vocab_metrics: bool = True,
+        unroll_steps: int = 1,
+        unroll_decay: float = 0.8,
+        lr_factor: Callable[[int], float] | None = None,
+        autocast_dtype: torch.dtype | None = None,
     ) -> None:
         """``full_vocab_metrics``: with a reduced soft vocabulary, still take the prediction's
-        argmax over the full vocabulary for ``top1_agreement`` (one extra no-grad head product)."""
+        argmax over the full vocabulary for ``top1_agreement`` (one extra no-grad head product).
+        ``unroll_steps``: train draft steps ``1..k`` on the drafter's own rows (``unroll.py``), the
+        loss of step ``j`` weighted ``unroll_decay ** (j - 1)``; 1 is plain teacher forcing.
+        ``lr_factor(step)``: multiplier of ``lr`` for optimizer step ``step`` (1-based).
+        ``autocast_dtype``: mixed precision (weights and optimizer stay in their own dtype)."""
+        if isinstance(unroll_steps, bool) or not isinstance(unroll_steps, int) or unroll_steps < 1:
+            raise ValueError(f"unroll_steps must be a positive integer, got {unroll_steps!r}")
+        if not 0 < unroll_decay <= 1:
+            raise ValueError(f"unroll_decay must be in (0, 1], got {unroll_decay!r}")
+        self.unroll_steps = unroll_steps
+        self.unroll_decay = unroll_decay
+        self.lr_factor = lr_factor
+        self.autocast_dtype = autocast_dtype
+        self.base_lr = lr
         self.model = model
         self.loss_config = loss
         self.window = window
@@ -124,16 +150,42 @@ class DrafterTrainer:
             return [self.prepare(b) for b in items]
         raise TypeError("expected batch dicts, PreparedBatch objects or AlignedSample objects (not mixed)")
 
-    def _forward_loss(self, batch: PreparedBatch):
-        pred = self.model(batch.input_ids, batch.hidden_states, batch.position_ids, batch.cu_seqlens)
-        out = eagle_loss(pred, batch.target, batch.loss_mask, self.model.head_weight, self.loss_config, batch.soft)
+    def _autocast(self) -> ContextManager:
+        if self.autocast_dtype is None or self.autocast_dtype == self.model.compute_dtype:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def _step_loss(self, pred: torch.Tensor, batch: PreparedBatch, mask: torch.Tensor, soft: SoftTargets):
+        out = eagle_loss(pred, batch.target, mask, self.model.head_weight, self.loss_config, soft)
         pred_top1 = out.pred_top1
         if pred_top1 is None and out.num_tokens > 0 and (self.full_vocab_metrics or self.loss_config.prob_weight == 0):
             with torch.no_grad():
-                keep = torch.nonzero(batch.loss_mask > 0).flatten()
+                keep = torch.nonzero(mask > 0).flatten()
                 pred_top1 = self.model.logits(pred.detach()[keep]).argmax(dim=-1)
-        agreement = float((pred_top1 == batch.soft.top1).float().mean()) if pred_top1 is not None else float("nan")
+        agreement = float((pred_top1 == soft.top1).float().mean()) if pred_top1 is not None else float("nan")
         return out, agreement
+
+    def _forward_loss(self, batch: PreparedBatch):
+        """(loss output, step-1 agreement, agreement per unrolled step)."""
+        with self._autocast():
+            if self.unroll_steps == 1:
+                pred = self.model(batch.input_ids, batch.hidden_states, batch.position_ids, batch.cu_seqlens)
+                out, agreement = self._step_loss(pred, batch, batch.loss_mask, batch.soft)
+                return out, agreement, [agreement]
+            preds = unrolled_predictions(self.model, batch.input_ids, batch.hidden_states, batch.position_ids,
+                                         batch.cu_seqlens, self.unroll_steps)
+            keep = batch.loss_mask > 0
+            outs, agreements = [], []
+            for step, pred in enumerate(preds):
+                valid = unroll_valid(batch.cu_seqlens, batch.num_pairs, step, batch.loss_mask.device)
+                mask = batch.loss_mask * valid
+                out, agreement = self._step_loss(pred, batch, mask, _subset(batch.soft, valid[keep] > 0))
+                outs.append(out)
+                agreements.append(agreement)
+        first = outs[0]
+        weights = [self.unroll_decay ** j if o.num_tokens > 0 else 0.0 for j, o in enumerate(outs)]
+        loss = sum(w * o.loss for w, o in zip(weights, outs))
+        return replace(first, loss=loss), agreements[0], agreements
 
     def train_steps(self, data: Any, steps: int) -> list[dict[str, float]]:
         """Run ``steps`` optimizer steps, cycling through the batches of ``data`` in order.
@@ -151,7 +203,10 @@ class DrafterTrainer:
             batch = batches[i % len(batches)]
             start = time.perf_counter()
             self.optimizer.zero_grad(set_to_none=True)
-            out, agreement = self._forward_loss(batch)
+            if self.lr_factor is not None:
+                for group in self.optimizer.param_groups:
+                    group["lr"] = self.base_lr * self.lr_factor(self.steps_done + 1)
+            out, agreement, per_step = self._forward_loss(batch)
             skipped = out.num_tokens == 0
             grad_norm = 0.0
             if not skipped:
@@ -173,6 +228,8 @@ class DrafterTrainer:
                     "num_loss_pairs": float(batch.num_loss_pairs),
                     "seconds": time.perf_counter() - start,
                     "skipped": float(skipped),
+                    "lr": float(self.optimizer.param_groups[0]["lr"]),
+                    **{f"top1_agreement_step{j + 1}": a for j, a in enumerate(per_step) if j},
                 }
             )
         return history
@@ -184,7 +241,7 @@ class DrafterTrainer:
         totals = {"loss": 0.0, "value_loss": 0.0, "prob_loss": 0.0, "top1_agreement": 0.0}
         count = 0.0
         for batch in self.as_batches(data):
-            out, agreement = self._forward_loss(batch)
+            out, agreement, _ = self._forward_loss(batch)
             if out.num_tokens == 0:
                 continue
             n = float(batch.num_loss_pairs)
