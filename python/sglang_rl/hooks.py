@@ -28,7 +28,7 @@ def hook_table() -> list[Hook]:
     from sglang_rl.adapters import api, hidden_states, kcbs, openai, scheduler, speculative
     from sglang_rl.adapters import cotrain, cotrain_api, drafter_weights, drafter_weights_api
     from sglang_rl.adapters import drafter_save, drafter_save_api
-    from sglang_rl.adapters import toploc
+    from sglang_rl.adapters import toploc, toploc_metrics
     from sglang_rl.server_args import RLServerArgs
 
     REPLACE, AROUND, BEFORE, AFTER = HookType.REPLACE, HookType.AROUND, HookType.BEFORE, HookType.AFTER
@@ -198,6 +198,10 @@ def hook_table() -> list[Hook]:
              AFTER, openai.completion_response_after, "add the fields to choices[i]"),
         Hook(f"{OPENAI}.serving_completions.OpenAIServingCompletion._generate_completion_stream",
              AROUND, openai.completion_stream_around, "add the fields to each choice's final chunk"),
+        # --- observability -------------------------------------------------------------------
+        Hook(f"{SRT}.entrypoints.engine.Engine._launch_subprocesses", AFTER, toploc_metrics.server_started,
+             "once per server, with sglang's logging set up: the load line, the uncalibrated-bounds "
+             "warning, and the tokenizer manager's TOPLOC metrics (--enable-metrics)"),
     ]
 
 

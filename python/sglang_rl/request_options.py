@@ -54,6 +54,10 @@ class RequestOptionError(ValueError):
     """A sglang-rl request field has a bad value; the message says which and why."""
 
 
+class InvalidFingerprintError(RequestOptionError):
+    """The fingerprint of a verification request is malformed (counted apart in the metrics)."""
+
+
 # Speculative algorithms whose verify-step rows follow the committed tokens (adapters/speculative.py).
 SUPPORTED = ("EAGLE", "NEXTN", "NGRAM")
 _REFUSALS = {
@@ -100,7 +104,7 @@ def validate_fields(fields: dict, server_args: Any) -> dict:
                 "without --toploc-verification"
             )
         if not isinstance(fp, str):
-            raise RequestOptionError(
+            raise InvalidFingerprintError(
                 "toploc_verification_fingerprint_to_validate must be a string (the last element of "
                 "toploc_verification_fingerprints)"
             )
@@ -174,7 +178,7 @@ def validate_fingerprint_to_validate(value: str, server_args: Any) -> Any:
     try:
         return decode_fingerprint(value, expected_topk=server_args.toploc_verification_topk)
     except FingerprintError as exc:
-        raise RequestOptionError(f"invalid toploc_verification_fingerprint_to_validate: {exc}") from exc
+        raise InvalidFingerprintError(f"invalid toploc_verification_fingerprint_to_validate: {exc}") from exc
 
 
 def validate_verification_span(n_rows: int, params: dict, prompt_len: Optional[int],

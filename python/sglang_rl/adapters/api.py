@@ -11,12 +11,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import time
 from typing import Any, AsyncIterator, Callable, Optional
 
 from sglang.srt.managers.io_struct import GenerateReqInput
 
 from sglang_rl.adapters import hidden_states as hs_adapter
-from sglang_rl.adapters import rollout_records, transport
+from sglang_rl.adapters import rollout_records, toploc_metrics, transport
 from sglang_rl.adapters.kcbs_manager import CANDIDATES_FIELD
 from sglang_rl.adapters.request_plan import implicit_prompt_ids, item_plan, prepare_request
 from sglang_rl.fingerprint.sampling import DEFAULT_MAX_Z
@@ -25,6 +26,7 @@ from sglang_rl.request_options import (
     FINGERPRINTS_FIELD,
     KCBS_STREAM_ERROR,
     RESULT_FIELD,
+    InvalidFingerprintError,
     RequestOptionError,
 )
 from sglang_rl.verification_report import finalize_report
@@ -124,7 +126,12 @@ def generate_request_around(original: Callable, manager: Any, obj: Any, request:
     """AROUND TokenizerManager.generate_request (an async generator)."""
 
     async def run():
-        prepare_request(obj, manager.server_args, in_process=request is None)
+        started = time.perf_counter()
+        try:
+            prepare_request(obj, manager.server_args, in_process=request is None)
+        except InvalidFingerprintError:
+            toploc_metrics.count_invalid_fingerprint(manager)
+            raise
         async for out in original(manager, obj, request):
             encoding = []
             for position, item in enumerate(out if isinstance(out, list) else [out]):
@@ -144,6 +151,7 @@ def generate_request_around(original: Callable, manager: Any, obj: Any, request:
             for item in out if isinstance(out, list) else [out]:
                 if isinstance(item, dict):
                     rollout_records.record(manager, item)
+                    toploc_metrics.observe_output(manager, item, started)
             yield out
 
     return run()
