@@ -67,7 +67,9 @@ def engine_kwargs(model_path: str, dummy: bool, gpu: bool, **extra) -> dict:
     if dummy:
         kw["load_format"] = "dummy"
     if gpu:
-        kw.update(attention_backend="triton", sampling_backend="pytorch", mem_fraction_static=0.8)
+        # prefill CUDA graphs are compiled at every start (minutes for a small model); decode's stay on
+        kw.update(attention_backend="triton", sampling_backend="pytorch", mem_fraction_static=0.8,
+                  cuda_graph_backend_prefill="disabled")
     else:
         kw.update(device="cpu", attention_backend="torch_native", dtype="float32", max_total_tokens=16384)
     kw.update(extra)
