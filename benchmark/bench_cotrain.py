@@ -40,6 +40,7 @@ from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import engine_kwargs, print_table  # noqa: E402
+from sglang_rl.drafter.acceptance import merge_histograms, position_accept_rates  # noqa: E402
 
 SPEC = dict(speculative_algorithm="EAGLE", speculative_num_steps=3, speculative_eagle_topk=1,
             speculative_num_draft_tokens=4)
@@ -85,11 +86,13 @@ def base_kwargs(args: argparse.Namespace, gpu_id: int = 0, port: int = 0, graph_
 
 
 def cotrain_kwargs(samples_per_round: int, steps: int, lr: float, samples_per_step: int, window: int,
-                   soft_topk: Optional[int], device: Optional[str], threads: int) -> dict:
+                   soft_topk: Optional[int], device: Optional[str], threads: int, **extra: Any) -> dict:
+    """Engine keywords of co-training; ``extra`` are further ``drafter_cotrain_*`` options (None: default)."""
     kw = dict(drafter_cotrain=True, drafter_cotrain_samples_per_round=samples_per_round,
               drafter_cotrain_steps=steps, drafter_cotrain_lr=lr,
               drafter_cotrain_samples_per_step=samples_per_step, drafter_cotrain_window=window,
               drafter_cotrain_threads=threads)
+    kw.update({f"drafter_cotrain_{k}": v for k, v in extra.items() if v is not None})
     if soft_topk:
         kw["drafter_cotrain_soft_topk"] = soft_topk
     if device:
@@ -142,8 +145,12 @@ class CotrainRun:
         tokens = after["held_out_tokens"][-1] - before["held_out_tokens"][-1]
         steps = after["held_out_verify_steps"][-1] - before["held_out_verify_steps"][-1]
         meta_tokens, meta_steps = spec_counts(outs)
+        hist = merge_histograms(o["meta_info"].get("spec_correct_drafts_histogram") for o in outs)
+        rates = position_accept_rates(hist, SPEC["speculative_num_steps"])
         return {"held_out_acceptance": ratio(tokens, steps), "held_out_tokens": tokens,
                 "held_out_verify_steps": steps, "held_out_meta_acceptance": ratio(meta_tokens, meta_steps),
+                "held_out_accept_histogram": hist,
+                "held_out_position_accept": [None if r is None else round(r, 4) for r in rates],
                 "held_out_tok_s": round(meta_tokens / seconds, 1),
                 "round_landed_mid_eval": after["rounds"] != before["rounds"],
                 "held_out_output_ids": [list(o["output_ids"]) for o in outs]}
@@ -229,7 +236,9 @@ def run_train(args: argparse.Namespace) -> dict:
     kw = base_kwargs(args, args.gpu_id, args.port, graph_bs=max(args.held_out, args.samples_per_round))
     kw.update(SPEC, speculative_draft_model_path=str(init_dir))
     kw.update(cotrain_kwargs(args.samples_per_round, args.steps, args.lr, args.samples_per_step, args.window,
-                             args.soft_topk, args.cotrain_device, args.threads))
+                             args.soft_topk, args.cotrain_device, args.threads, unroll_steps=args.unroll_steps,
+                             replay_samples=args.replay_samples, lr_schedule=args.lr_schedule,
+                             train_dtype=args.train_dtype))
     llm = sgl.Engine(**kw)
     startup = time.time() - start
     run = CotrainRun(args, llm, train, held)
@@ -244,6 +253,7 @@ def run_train(args: argparse.Namespace) -> dict:
                "elapsed_s": round(time.time() - start, 1), **ev}
         records.append(row)
         print(f"[{phase}] round {rnd} rollouts {row['rollouts']} held-out acceptance {row['held_out_acceptance']} "
+              f"per position {row['held_out_position_accept']} "
               f"loss {row['loss']} top1 {row['top1_agreement']} t={row['elapsed_s']}s", flush=True)
 
     ev = run.held_out()
@@ -302,7 +312,8 @@ def run_train(args: argparse.Namespace) -> dict:
     return {"mode": "train", "tag": args.tag, "startup_s": round(startup, 1), "total_s": round(time.time() - start, 1),
             "config": {k: getattr(args, k) for k in ("samples_per_round", "steps", "lr", "samples_per_step", "window",
                                                        "soft_topk", "cotrain_device", "held_out", "max_new_tokens",
-                                                       "rollouts", "drift_sigma", "drift_rounds")},
+                                                       "rollouts", "drift_sigma", "drift_rounds", "unroll_steps",
+                                                       "replay_samples", "lr_schedule", "train_dtype", "seed")},
             "train_prompts": len(train), "note": note, "drafter_saved": saved, "drift": drift,
             "training_traffic_tok_s": round(run.train_tokens / run.train_seconds, 1) if run.train_seconds else None,
             "records": records, "final_stats": final}
@@ -416,7 +427,9 @@ def report(out: Path) -> None:
     trains, speeds = load_results(out)
     for t in trains:
         c = t["config"]
-        print(f"\n## train `{t['tag']}`: samples/round {c['samples_per_round']}, steps {c['steps']}, lr {c['lr']}, "
+        print(f"\n## train `{t['tag']}`: unroll {c.get('unroll_steps', 1)}, replay {c.get('replay_samples', 0)}, "
+              f"lr schedule {c.get('lr_schedule')}, train dtype {c.get('train_dtype', 'float32')}, "
+              f"samples/round {c['samples_per_round']}, steps {c['steps']}, lr {c['lr']}, "
               f"samples/step {c['samples_per_step']}, window {c['window']}, soft_topk {c['soft_topk']}, "
               f"held-out prompts {c['held_out']}, max_new_tokens {c['max_new_tokens']}; startup {t['startup_s']}s, "
               f"total {t['total_s']}s {t['note']}")
@@ -425,12 +438,14 @@ def report(out: Path) -> None:
             rows.append({"phase": r["phase"], "round": r["round"], "rollouts": r["rollouts"],
                          "policy": r["policy_version"], "held_out_acc": r["held_out_acceptance"],
                          "held_out_tokens": r["held_out_tokens"],
+                         "pos_accept": "/".join("-" if v is None else f"{v:.2f}"
+                                                for v in r.get("held_out_position_accept") or []),
                          "loss": f"{r['loss']:.3f}" if r["loss"] is not None else "",
                          "top1": f"{r['top1_agreement']:.3f}" if r["top1_agreement"] is not None else "",
                          "round_s": f"{r['round_seconds']:.2f}" if r["round_seconds"] is not None else "",
                          "same_ids": r.get("held_out_same_tokens_as_round0", "")})
-        print_table(rows, ["phase", "round", "rollouts", "policy", "held_out_acc", "held_out_tokens", "loss", "top1",
-                           "round_s", "same_ids"])
+        print_table(rows, ["phase", "round", "rollouts", "policy", "held_out_acc", "pos_accept", "held_out_tokens",
+                           "loss", "top1", "round_s", "same_ids"])
         if t["drift"]:
             d = t["drift"]
             pre = [r for r in t["records"] if r["phase"] == "train"][-1]["held_out_acceptance"]
@@ -483,7 +498,8 @@ def plot(out: Path, png: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for t in trains:
         c = t["config"]
-        label = f"{t['tag']}: {c['samples_per_round']}/round, {c['steps']} steps, lr {c['lr']:g}"
+        label = (f"{t['tag']}: {c['samples_per_round']}/round, {c['steps']} steps, lr {c['lr']:g}, "
+                 f"unroll {c.get('unroll_steps') or 1}")
         tr = [r for r in t["records"] if r["phase"] == "train"]
         line, = ax.plot([r["rollouts"] for r in tr], [r["held_out_acceptance"] for r in tr], "o-", ms=3, label=label)
         dr = [r for r in t["records"] if r["phase"] in ("drift", "after-drift")]
@@ -530,6 +546,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--soft-topk", type=int, default=None)
     p.add_argument("--cotrain-device", default=None)
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--unroll-steps", type=int, default=None, help="draft steps trained on the drafter's own rows")
+    p.add_argument("--replay-samples", type=int, default=None, help="older samples replayed per round")
+    p.add_argument("--lr-schedule", default=None, help="e.g. warmup=1,cosine=16,floor=0.1")
+    p.add_argument("--train-dtype", default=None, help="bfloat16: autocast training (GPU)")
     p.add_argument("--round-timeout", type=float, default=120.0)
     p.add_argument("--budget-s", type=float, default=480.0, help="wall-clock budget of the train mode")
     p.add_argument("--save-drafter", help="write the co-trained drafter (before the drift) here")
