@@ -31,6 +31,8 @@ BOUND_NAMES = {
     "mant_err_median": "max_mant_err_median",
 }
 REFERENCE_TOPK = 128
+FAIL_FACTOR = 2.0
+"""The outer (fail) bound of each statistic as a multiple of its pass bound (verdict bands)."""
 
 
 class CalibrationError(ValueError):
@@ -67,17 +69,33 @@ class Thresholds:
 @dataclass(frozen=True)
 class ThresholdPolicy:
     """The bounds a verifier applies: ``full`` for chunks of ``chunk_size`` rows, ``short`` (when
-    set) for a final chunk with fewer rows, and where they came from (``source``)."""
+    set) for a final chunk with fewer rows, and where they came from (``source``). A chunk within
+    them passes; one beyond ``fail_factor`` times a bound fails; in between it is suspect."""
 
     full: Thresholds
     short: Thresholds | None = None
     source: str = UNCALIBRATED
+    fail_factor: float = FAIL_FACTOR
 
     def for_rows(self, rows: int, chunk_size: int) -> Thresholds:
         """The bounds for a chunk of ``rows`` rows."""
         if self.short is not None and rows < chunk_size:
             return self.short
         return self.full
+
+    def outer(self, bounds: Thresholds) -> Thresholds:
+        """The fail bounds that go with pass bounds ``bounds`` (``fail_factor`` times each)."""
+        return scaled(bounds, self.fail_factor)
+
+
+def scaled(bounds: Thresholds, factor: float) -> Thresholds:
+    """``bounds`` times ``factor`` (the mismatch count rounded down: a count above the product
+    is above the rounded bound)."""
+    return Thresholds(
+        max_exp_mismatches=int(math.floor(bounds.max_exp_mismatches * factor + 1e-9)),
+        max_mant_err_mean=bounds.max_mant_err_mean * factor,
+        max_mant_err_median=bounds.max_mant_err_median * factor,
+    )
 
 
 @dataclass(frozen=True)
@@ -113,11 +131,12 @@ class Calibration:
     summary: Mapping[str, Any] = field(default_factory=dict)
     histogram: ScoreHistogram | None = None
     rule: str = ""
+    fail_factor: float = FAIL_FACTOR
 
     def policy(self, path: str | None = None) -> ThresholdPolicy:
         """The thresholds to apply, with a source naming this calibration's model (and file)."""
         where = f", file {path}" if path else ""
-        return ThresholdPolicy(self.full, self.short, f"calibrated: {self.model_name}{where}")
+        return ThresholdPolicy(self.full, self.short, f"calibrated: {self.model_name}{where}", self.fail_factor)
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON document of the file."""
@@ -135,6 +154,7 @@ class Calibration:
             },
             "summary": dict(self.summary),
             "histogram": self.histogram.to_dict() if self.histogram is not None else None,
+            "fail_factor": self.fail_factor,
         }
 
 
@@ -223,6 +243,10 @@ def calibration_from_dict(doc: Any, where: str = "calibration") -> Calibration:
     if not isinstance(summary, Mapping):
         raise CalibrationError(f"{where}: summary must be an object")
     hist = doc.get("histogram")
+    fail_factor = doc.get("fail_factor", FAIL_FACTOR)
+    if (not isinstance(fail_factor, (int, float)) or isinstance(fail_factor, bool)
+            or not math.isfinite(fail_factor) or fail_factor <= 1.0):
+        raise CalibrationError(f"{where}: fail_factor must be a number above 1, got {fail_factor!r}")
     return Calibration(
         model_name=name,
         model_path=path,
@@ -234,6 +258,7 @@ def calibration_from_dict(doc: Any, where: str = "calibration") -> Calibration:
         summary=summary,
         histogram=None if hist is None else _histogram(hist, f"{where}: histogram"),
         rule=str(doc.get("rule", "")),
+        fail_factor=float(fail_factor),
     )
 
 

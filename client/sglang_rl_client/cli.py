@@ -4,8 +4,9 @@
                      [--out FILE] [--concurrency N]
 
 Input: JSON lines, each with ``input_ids``, ``output_ids`` and ``fingerprint`` (or the response's
-``toploc_verification_fingerprints``), optionally ``worker``; any other keys are carried to the
-output. Output (``--out``, else stdout): JSON lines, one ``{"type": "response", ...}`` per input
+``toploc_verification_fingerprints``), optionally ``worker`` and ``max_new_tokens`` (the limit the
+response was generated with, for the termination check); any other keys are carried to the
+output. Worker records count each worker's verdict bands (pass, suspect, fail). Output (``--out``, else stdout): JSON lines, one ``{"type": "response", ...}`` per input
 line in input order, then one ``{"type": "worker", ...}`` per worker and a ``{"type":
 "summary", ...}``. A line that cannot be checked (not JSON, a key missing, a malformed
 fingerprint, a server that refuses it, answers 5xx or does not answer after the retries) gets
@@ -152,9 +153,16 @@ class Tally:
         self.total[key] += 1
         if worker is None:
             return
-        counts = self.workers.setdefault(worker, {"responses": 0, "verified": 0, "failed": 0, "errors": 0})
+        counts = self.workers.setdefault(worker, {"responses": 0, "verified": 0, "failed": 0, "errors": 0,
+                                                  "pass": 0, "suspect": 0, "fail": 0})
         counts["responses"] += 1
         counts[key] += 1
+        if result is not None:
+            from sglang_rl_client.bands import band_of_report
+
+            band = band_of_report(result)
+            if band is not None:
+                counts[band] += 1
         if self.fleet is not None:
             if result is not None:
                 self.fleet.add_report(worker, result)
@@ -241,6 +249,8 @@ def _why(result: Optional[dict]) -> str:
         return ""
     if "error" in result:
         return f" ({result['error']})"
+    if result.get("verdict_reasons"):
+        return f" ({result['verdict']}: " + "; ".join(result["verdict_reasons"]) + ")"
     parts = [f"worst exp_mismatches {result.get('worst_exp_mismatches')}",
              f"mant_err_mean {result.get('worst_mant_err_mean')}",
              f"mant_err_median {result.get('worst_mant_err_median')}"]

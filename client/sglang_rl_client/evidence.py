@@ -21,9 +21,13 @@ Sampled work adds a second, independent test: reports with ``sampling_z`` (verif
 (Stouffer's combination, as the plugin's ``sampling.combined_z``), and ``|Z| >= sampling_reject_z``
 rejects as well.
 
-Decision rule: ``reject`` once ``S_n >= log(1/alpha)`` (sticky), ``suspect`` while
-``S_n >= log(1/suspect_level)``, ``accept`` while ``S_n <= log(accept_level)``, else
-``undecided``.
+Each response's verdict band (pass, suspect, fail: ``sglang_rl_client.bands``) feeds a third
+test, a CUSUM of fixed steps that rejects at three suspects or two fails in a row; it also counts
+what the score does not show (a failed termination or token check).
+
+Decision rule: ``reject`` once ``S_n >= log(1/alpha)`` or the band test rejects (sticky),
+``suspect`` while either statistic is ``>= log(1/suspect_level)``, ``accept`` while
+``S_n <= log(accept_level)``, else ``undecided``.
 
 False-accusation rate: for an honest worker whose scores follow the calibration's honest
 distribution ``p`` (independent responses), ``exp(S)`` restarted from the floor is a nonnegative
@@ -31,7 +35,10 @@ supermartingale (``E_p[min(q/p, cap)] <= 1``), so by Ville's inequality the firs
 reaches ``1/alpha`` with probability at most ``alpha``, and each climb from the floor at most
 ``alpha * floor``. Hence P(an honest worker is rejected within its first N responses)
 ``<= alpha * (1 + N * floor)``; with the defaults (alpha 1e-3, floor 1e-4) that is at most
-0.0011 over 1,000 responses and 0.002 over 10,000. The guarantee is only as good as the honest
+0.0011 over 1,000 responses and 0.002 over 10,000. The band test has the same bound for honest
+workers whose responses are suspect at most ``honest_suspect_rate`` (1e-3, the calibration's
+per-response budget) and fail at most ``honest_fail_rate`` (1e-4) of the time; either test
+together: at most twice that. The guarantee is only as good as the honest
 histogram: it must be measured on the configurations the workers really run (hardware, batch
 sizes, kernels), see the plugin's ``sglang-rl calibrate``.
 
@@ -46,6 +53,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from sglang_rl_client.bands import BandEvidence, band_of_score
 from sglang_rl_client.calibration import (
     BOUND_NAMES,
     STATISTICS,
@@ -117,6 +125,8 @@ class EvidencePolicy:
     pseudo_count: float = 0.5
     uniform_weight: float = 0.1
     sampling_reject_z: float = 5.5
+    honest_suspect_rate: float = 1e-3
+    honest_fail_rate: float = 1e-4
 
     def __post_init__(self) -> None:
         for name in ("false_accusation_rate", "suspect_level", "accept_level", "floor"):
@@ -184,6 +194,15 @@ class WorkerEvidence:
     sampling_weighted_z: float = 0.0
     sampling_tokens: int = 0
     sampling_rejected_at: int | None = None
+    bands: BandEvidence | None = None
+
+    def __post_init__(self) -> None:
+        if self.bands is None:
+            policy = self.policy
+            self.bands = BandEvidence(
+                false_accusation_rate=policy.false_accusation_rate, honest_suspect_rate=policy.honest_suspect_rate,
+                honest_fail_rate=policy.honest_fail_rate, floor=policy.floor,
+                responses_to_reject=max(2, policy.min_responses_to_reject))
 
     @classmethod
     def from_calibration(
@@ -204,12 +223,14 @@ class WorkerEvidence:
 
     def add_report(self, report: Mapping[str, Any]) -> str:
         """Account for one verification report; returns the verdict after it. A report with an
-        ``error`` is counted in ``errors`` and moves nothing."""
+        ``error`` is counted in ``errors`` and moves nothing. Its ``verdict`` band (from a server
+        with bands) feeds the band test; without one, the band follows from its score."""
         score = response_score(report, self.thresholds, self.chunk_size)
         if score is None:
             self.errors += 1
             return self.verdict
-        verdict = self.add_score(score)
+        band = report.get("verdict")
+        verdict = self.add_score(score, band if band in self.bands.counts else None)
         if report.get("sampling_checked"):
             self.add_sampling(float(report["sampling_z"]), int(report["sampling_checked"]))
         return self.verdict if self.sampling_rejected_at is not None else verdict
@@ -230,8 +251,11 @@ class WorkerEvidence:
         """The Z of all sampled tokens seen (``sampling.combined_z`` of the responses so far)."""
         return self.sampling_weighted_z / math.sqrt(self.sampling_tokens) if self.sampling_tokens else 0.0
 
-    def add_score(self, score: float) -> str:
-        """Account for one response's score (see ``response_score``); returns the verdict."""
+    def add_score(self, score: float, band: str | None = None) -> str:
+        """Account for one response's score (see ``response_score``) and its band (by default the
+        score's: suspect beyond the bound, fail beyond ``fail_factor`` times it); returns the
+        verdict."""
+        self.bands.add(band or band_of_score(score, self.thresholds.fail_factor))
         step = self.llr[score_bin(score, self.edges)]
         self.responses += 1
         self.failed += int(score > 1.0)
@@ -244,9 +268,9 @@ class WorkerEvidence:
     @property
     def verdict(self) -> str:
         """reject (sticky), suspect, accept or undecided, by the rule in the module docstring."""
-        if self.rejected_at is not None or self.sampling_rejected_at is not None:
+        if self.rejected_at is not None or self.sampling_rejected_at is not None or self.bands.rejected:
             return REJECT
-        if self.statistic >= -math.log(self.policy.suspect_level):
+        if max(self.statistic, self.bands.statistic) >= -math.log(self.policy.suspect_level):
             return SUSPECT
         if self.statistic <= math.log(self.policy.accept_level):
             return ACCEPT
@@ -276,6 +300,7 @@ class WorkerEvidence:
             "sampling_z": self.sampling_z,
             "sampling_tokens": self.sampling_tokens,
             "sampling_rejected_at_response": self.sampling_rejected_at,
+            **self.bands.state(),
         }
 
 

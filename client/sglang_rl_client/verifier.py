@@ -29,11 +29,12 @@ FINGERPRINTS_FIELD = "toploc_verification_fingerprints"
 FINGERPRINT_TO_VALIDATE = "toploc_verification_fingerprint_to_validate"
 EXPECT_GREEDY = "toploc_verification_expect_greedy"
 EXPECT_SAMPLED = "toploc_verification_expect_sampled"
+MAX_NEW_TOKENS = "toploc_verification_max_new_tokens"
 RESULT_FIELD = "toploc_verification_fingerprint_validation_result"
 GENERATE_ENDPOINT = "/generate"
 
 VERIFIED, FAILED, ERROR = "verified", "failed", "error"
-RESERVED_KEYS = ("input_ids", "output_ids", "fingerprint", FINGERPRINTS_FIELD, "worker")
+RESERVED_KEYS = ("input_ids", "output_ids", "fingerprint", FINGERPRINTS_FIELD, "worker", "max_new_tokens")
 """The keys of a rollout record that ``Rollout.from_dict`` reads; the others are the caller's."""
 
 
@@ -55,8 +56,10 @@ class Rollout:
     (the last element of the response's ``toploc_verification_fingerprints``).
 
     ``expect_greedy`` / ``expect_sampled`` ask the verifier to also check how the tokens were
-    chosen (argmax at temperature 0, or the sampling test at temperature 1). ``worker`` names who
-    generated it (for worker verdicts) and ``data`` is the caller's, carried to the outcome.
+    chosen (argmax at temperature 0, or the sampling test at temperature 1). ``max_new_tokens``
+    is the limit it was generated with: a response that ends without EOS must have reached it
+    (the termination check). ``worker`` names who generated it (for worker verdicts) and ``data``
+    is the caller's, carried to the outcome.
     """
 
     input_ids: Sequence[int]
@@ -66,12 +69,14 @@ class Rollout:
     expect_greedy: bool = False
     expect_sampled: bool = False
     data: Mapping[str, Any] = field(default_factory=dict)
+    max_new_tokens: Optional[int] = None
 
     @classmethod
     def from_dict(cls, record: Mapping[str, Any], worker: Optional[str] = None, **expect: bool) -> Rollout:
         """A rollout from a record with ``input_ids``, ``output_ids`` and ``fingerprint`` (or the
-        response field ``toploc_verification_fingerprints``), optionally ``worker``; the other
-        keys become ``data``. Raises RolloutError naming what is missing."""
+        response field ``toploc_verification_fingerprints``), optionally ``worker`` and
+        ``max_new_tokens``; the other keys become ``data``. Raises RolloutError naming what is
+        missing."""
         if not isinstance(record, Mapping):
             raise RolloutError(f"expected a JSON object, got {type(record).__name__}")
         fingerprint = record.get("fingerprint")
@@ -84,7 +89,8 @@ class Rollout:
         name = worker if record.get("worker") is None else record["worker"]
         kept = {k: v for k, v in record.items() if k not in RESERVED_KEYS}
         return cls(record["input_ids"], record["output_ids"], fingerprint,
-                   worker=None if name is None else str(name), data=kept, **expect)
+                   worker=None if name is None else str(name), data=kept,
+                   max_new_tokens=record.get("max_new_tokens"), **expect)
 
     def check(self) -> None:
         """Refuse locally what the verifier would refuse: ids that are not token ids, a malformed
@@ -103,6 +109,9 @@ class Rollout:
             raise RolloutError(f"the fingerprint covers {fp.n_rows} tokens, output_ids holds {len(output)}")
         if self.expect_greedy and self.expect_sampled:
             raise RolloutError("expect_greedy and expect_sampled exclude each other")
+        limit = self.max_new_tokens
+        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+            raise RolloutError(f"max_new_tokens must be a positive integer, got {limit!r}")
 
     def sampling_params(self) -> dict[str, Any]:
         """The item's sampling parameters in a verification request."""
@@ -111,6 +120,8 @@ class Rollout:
             params[EXPECT_GREEDY] = True
         if self.expect_sampled:
             params[EXPECT_SAMPLED] = True
+        if self.max_new_tokens is not None:
+            params[MAX_NEW_TOKENS] = self.max_new_tokens
         return params
 
 
@@ -131,6 +142,14 @@ class Outcome:
     def verified(self) -> Optional[bool]:
         """The server's verdict; None when the item could not be checked."""
         return None if self.result is None else self.result.get("verified") is True
+
+    @property
+    def band(self) -> Optional[str]:
+        """The server's verdict band (pass, suspect, fail); None when the item could not be
+        checked or the check did not run."""
+        from sglang_rl_client.bands import band_of_report
+
+        return None if self.result is None else band_of_report(self.result)
 
     @property
     def status(self) -> str:

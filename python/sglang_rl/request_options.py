@@ -21,6 +21,7 @@ TOPLOC_FIELDS = (
     "toploc_verification_fingerprint_to_validate",
     "toploc_verification_expect_greedy",
     "toploc_verification_expect_sampled",
+    "toploc_verification_max_new_tokens",
 )
 IDS_FIELDS = ("return_input_ids", "return_output_ids")
 HIDDEN_STATES_FIELDS = (

@@ -12,6 +12,7 @@ import math
 from typing import Any, Optional
 
 from sglang_rl.fingerprint.sampling import DEFAULT_MAX_Z, SamplingCheck, sampling_check
+from sglang_rl.fingerprint.verdict import complete_verdict
 
 
 def _response_indices(report: dict, meta: dict) -> Optional[tuple[list, list, list[tuple[int, int]]]]:
@@ -80,11 +81,11 @@ def _sampling_fields(report: dict, meta: dict, max_z: float) -> dict:
 def finalize_report(report: dict, meta: dict, expect_greedy: bool = False, expect_sampled: bool = False,
                     max_sampling_z: float = DEFAULT_MAX_Z) -> dict:
     """Complete the scheduler's report; `verified` also requires greedy consistency, or a
-    passing temperature-1 sampling test, if asked."""
+    passing temperature-1 sampling test, if asked, and the termination check (`verdict`)."""
     out = dict(report)
     if "error" in out:
         out["verified"] = False
-        return out
+        return complete_verdict(out, meta)
     out["exp_mismatches"] = out.get("worst_exp_mismatches")
     out["mant_err_mean"] = out.get("worst_mant_err_mean")
     out["mant_err_median"] = out.get("worst_mant_err_median")
@@ -99,4 +100,4 @@ def finalize_report(report: dict, meta: dict, expect_greedy: bool = False, expec
         out.update(_sampling_fields(out, meta, max_sampling_z))
         verdict = verdict and out["sampling_consistent"]
     out["verified"] = verdict
-    return out
+    return complete_verdict(out, meta)

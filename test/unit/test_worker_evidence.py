@@ -111,14 +111,14 @@ def test_a_worker_that_switches_to_cheating_is_caught_quickly() -> None:
         assert w.verdict == REJECT, w.state()
 
 
-def test_one_extreme_response_does_not_accuse_three_do() -> None:
+def test_one_extreme_response_does_not_accuse_two_do() -> None:
+    """A score far beyond the bound is a fail band: the first makes the worker suspect, the
+    second rejects it (the score test alone would wait for a third)."""
     w = worker()
     w.add_score(50.0)
-    assert w.verdict not in (SUSPECT, REJECT) and w.failed == 1
+    assert w.verdict == SUSPECT and w.failed == 1 and w.rejected_at is None
     w.add_score(50.0)
-    assert w.verdict == SUSPECT
-    w.add_score(50.0)
-    assert w.verdict == REJECT and w.rejected_at == 3
+    assert w.verdict == REJECT and w.bands.rejected_at == 2 and w.rejected_at is None
     for _ in range(100):
         w.add_score(0.0)
     assert w.verdict == REJECT, "a rejection is final"

@@ -16,6 +16,7 @@ from sglang.srt.managers.io_struct import GenerateReqInput
 from sglang_rl.adapters import hidden_states as hs_adapter
 from sglang_rl.fingerprint.sampling import DEFAULT_MAX_Z
 from sglang_rl.fingerprint.sampling import TOP_N as SAMPLING_TOP_N
+from sglang_rl.fingerprint.termination import MAX_NEW_TOKENS_FIELD
 from sglang_rl.request_options import (
     ALL_FIELDS,
     CUSTOM_PARAMS_KEY,
@@ -169,6 +170,7 @@ def _prepare_item(obj: Any, item: Optional[int], params: dict, fields: dict, ser
     hs_entry = _hidden_states_entry(plan, fields, server_args, in_process)
     kcbs_fields = {k: fields.pop(k) for k in KCBS_FIELDS if k in fields}
     kcbs_entry = validate_kcbs(kcbs_fields, params, bool(obj.stream), server_args)
+    claimed_limit = fields.pop(MAX_NEW_TOKENS_FIELD, None)
     entry = validate_fields(fields, server_args)
     validate_combination(entry, kcbs_entry, bool(hs_entry))
     entry.update(hs_entry)
@@ -177,6 +179,8 @@ def _prepare_item(obj: Any, item: Optional[int], params: dict, fields: dict, ser
         entry.update(kcbs_entry)
     if "toploc_verification_fingerprint_to_validate" in entry:
         _prepare_verification(plan, params, entry, internal, _prompt_len(obj, item), server_args)
+    if claimed_limit is not None:
+        entry[MAX_NEW_TOKENS_FIELD] = _claimed_limit(claimed_limit, entry)
     entry.update(internal)
     plan.entry = entry
     if entry:
@@ -239,6 +243,18 @@ def _prepare_verification(plan: ItemPlan, params: dict, entry: dict, internal: d
     if entry.get("toploc_verification_expect_sampled"):
         plan.top_logprobs_num = max(plan.top_logprobs_num, SAMPLING_TOP_N)
         plan.max_sampling_z = server_args.toploc_verification_max_sampling_z
+
+
+def _claimed_limit(value: Any, entry: dict) -> int:
+    """The max_new_tokens a verified response was generated with (its termination check)."""
+    if "toploc_verification_fingerprint_to_validate" not in entry:
+        raise RequestOptionError(
+            f"{MAX_NEW_TOKENS_FIELD} belongs to a verification request "
+            "(with toploc_verification_fingerprint_to_validate)")
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise RequestOptionError(
+            f"{MAX_NEW_TOKENS_FIELD} must be a positive integer (the response's max_new_tokens), got {value!r}")
+    return value
 
 
 def _prepare_kcbs(plan: ItemPlan, params: dict, entry: dict) -> None:

@@ -18,7 +18,7 @@ n response tokens - are checked against the proofs with toploc's verifier.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -33,6 +33,7 @@ from sglang_rl.fingerprint.calibration import UNCALIBRATED, ThresholdPolicy, cac
 from sglang_rl.fingerprint.device_prover import DeviceProver
 from sglang_rl.fingerprint.pipeline import FingerprintPipeline
 from sglang_rl.fingerprint.settings import PipelineSettings
+from sglang_rl.fingerprint.termination import MAX_NEW_TOKENS_FIELD, termination_inputs
 from sglang_rl.request_options import FINGERPRINTS_FIELD, RESPONSE_START_KEY, RESULT_FIELD
 
 ATTR = "_sglang_rl_fingerprints"
@@ -205,20 +206,26 @@ def _stream_held(scheduler: Any, wait: bool) -> None:
 
 
 class PrefillVerification:
-    """A prefill-only request that validates a fingerprint against its own prefill rows."""
+    """A prefill-only request that validates a fingerprint against its own prefill rows, and
+    reports how the response ended (for the termination check, `fingerprint.termination`)."""
 
-    def __init__(self, fingerprint: Fingerprint, response_start: int, thresholds: ThresholdPolicy) -> None:
+    def __init__(self, fingerprint: Fingerprint, response_start: int, thresholds: ThresholdPolicy,
+                 min_eos_prob: float = 0.0, max_new_tokens: Optional[int] = None) -> None:
         self.fingerprint = fingerprint
         self.response_start = response_start
         self.thresholds = thresholds
+        self.min_eos_prob = min_eos_prob
+        self.max_new_tokens = max_new_tokens
         self.rows: list[torch.Tensor] = []
         self.done = False
 
     def add_rows(self, rows: torch.Tensor) -> None:
         self.rows.append(rows.to("cpu", copy=True))
 
-    def finish(self, prompt_len: int) -> dict:
-        """Verify the captured rows; returns the report dict posted to the response."""
+    def finish(self, prompt_len: int, last_token: Optional[int] = None,
+               is_stop: Callable[[int], bool] = lambda token: False) -> dict:
+        """Verify the captured rows; returns the report dict posted to the response.
+        `last_token` is the prefill's last token, `is_stop` tells the model's EOS / stop ids."""
         self.done = True
         n = self.fingerprint.n_rows
         start = self.response_start if self.response_start >= 0 else prompt_len - n
@@ -234,10 +241,13 @@ class PrefillVerification:
         if lo < first_captured:
             raise FingerprintError("the prefill rows of the response were not computed (prefix cache)")
         rows = captured[lo - first_captured : hi - first_captured]
-        report = verify_rows(rows, self.fingerprint, self.thresholds.full, self.thresholds.short).to_dict()
+        report = verify_rows(rows, self.fingerprint, self.thresholds.full, self.thresholds.short,
+                             self.thresholds.fail_factor).to_dict()
         report["thresholds_source"] = self.thresholds.source
         report["response_start"] = start
         report["response_tokens"] = n
+        report.update(termination_inputs(start + n == prompt_len, last_token, is_stop, self.min_eos_prob,
+                                          self.max_new_tokens))
         return report
 
 
@@ -254,7 +264,23 @@ def state_for_request(options: dict, server_args: Any) -> Optional[object]:
     except FingerprintError as exc:
         return RejectedVerification(str(exc))
     start = int(options.get(RESPONSE_START_KEY, -1))
-    return PrefillVerification(fp, start, thresholds_from_server_args(server_args))
+    return PrefillVerification(fp, start, thresholds_from_server_args(server_args),
+                               getattr(server_args, "toploc_verification_min_eos_prob", 0.0),
+                               options.get(MAX_NEW_TOKENS_FIELD))
+
+
+def is_stop_token(req: Any, token: int) -> bool:
+    """Whether sglang would end this request's generation on `token`: its stop_token_ids, the
+    model's EOS ids, the tokenizer's EOS and additional stop ids (`Req._check_token_based_finish`)."""
+    params = req.sampling_params
+    if params.stop_token_ids and token in params.stop_token_ids:
+        return True
+    if req.eos_token_ids and token in req.eos_token_ids:
+        return True
+    tokenizer = req.tokenizer
+    if tokenizer is None:
+        return False
+    return token == tokenizer.eos_token_id or token in (getattr(tokenizer, "additional_stop_token_ids", None) or ())
 
 
 class RejectedVerification:
@@ -271,7 +297,8 @@ def finish_verification(state: object, req: Any) -> None:
         return
     if isinstance(state, PrefillVerification):
         try:
-            report = state.finish(len(req.origin_input_ids))
+            ids = req.origin_input_ids
+            report = state.finish(len(ids), ids[-1] if len(ids) else None, lambda token: is_stop_token(req, token))
         except FingerprintError as exc:
             report = {"error": str(exc), "verified": False}
         transport.post(req, **{RESULT_FIELD: report})

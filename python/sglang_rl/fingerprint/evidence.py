@@ -6,6 +6,7 @@ install (``sglang_rl_client.evidence``, which documents the test and its false-a
 this module is the plugin's name for it.
 """
 
+from sglang_rl_client.bands import BandEvidence, band_of_report, band_of_score  # noqa: F401 - re-exported
 from sglang_rl_client.evidence import (  # noqa: F401 - re-exported
     ACCEPT,
     DEFAULT_EDGES,

@@ -9,13 +9,15 @@ chunks with fewer than topk elements, which ``Fingerprint`` and ``verify_rows`` 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
 from sglang_rl.fingerprint.codec import Fingerprint, FingerprintError
-from sglang_rl_client.calibration import REFERENCE_TOPK, Thresholds  # noqa: F401 - shared with the client
+from sglang_rl_client.bands import FAIL, PASS, SUSPECT
+from sglang_rl_client.calibration import FAIL_FACTOR, REFERENCE_TOPK, Thresholds, scaled  # noqa: F401 - shared
 
 NOTHING_MATCHED = float(2**64)
 """toploc's mantissa error when no top-k exponent matched (finite, so JSON can carry it)."""
@@ -37,6 +39,15 @@ class ChunkResult:
             and self.mant_err_median <= thresholds.max_mant_err_median
         )
 
+    def excess(self, thresholds: Thresholds) -> tuple[str, float, float] | None:
+        """The first statistic above its bound, as (name, value, bound), or None."""
+        for name, bound in (("exp_mismatches", thresholds.max_exp_mismatches),
+                            ("mant_err_mean", thresholds.max_mant_err_mean),
+                            ("mant_err_median", thresholds.max_mant_err_median)):
+            if getattr(self, name) > bound:
+                return name, getattr(self, name), bound
+        return None
+
 
 @dataclass(frozen=True)
 class VerificationReport:
@@ -49,13 +60,19 @@ class VerificationReport:
     worst_mant_err_median: float
     verified: bool
     short_chunk_thresholds: Thresholds | None = None
+    fail_factor: float = FAIL_FACTOR
+    verdict: str = PASS
+    reason: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe dict (plain ints, floats and bools; every float finite). The short-chunk
         bounds appear only when they were given."""
-        extra = {}
+        extra: dict[str, Any] = {}
         if self.short_chunk_thresholds is not None:
             extra["short_chunk_thresholds"] = asdict(self.short_chunk_thresholds)
+            extra["short_chunk_fail_thresholds"] = asdict(scaled(self.short_chunk_thresholds, self.fail_factor))
+        if self.reason is not None:
+            extra["fingerprint_reason"] = self.reason
         return {
             "verified": self.verified,
             "num_chunks": len(self.chunks),
@@ -64,6 +81,8 @@ class VerificationReport:
             "worst_mant_err_median": self.worst_mant_err_median,
             "thresholds": asdict(self.thresholds),
             "chunks": [asdict(chunk) for chunk in self.chunks],
+            "fingerprint_verdict": self.verdict,
+            "fail_thresholds": asdict(scaled(self.thresholds, self.fail_factor)),
             **extra,
         }
 
@@ -79,6 +98,7 @@ def verify_rows(
     fp: Fingerprint,
     thresholds: Thresholds | None = None,
     short_chunk_thresholds: Thresholds | None = None,
+    fail_factor: float = FAIL_FACTOR,
 ) -> VerificationReport:
     """Check recomputed activation rows [n_rows, H] against a decoded fingerprint.
 
@@ -86,6 +106,7 @@ def verify_rows(
     FingerprintError when the rows do not fit the fingerprint (row count, or a chunk smaller than
     topk). ``thresholds`` defaults to ``Thresholds.for_topk(fp.topk)``; ``short_chunk_thresholds``
     (e.g. from a calibration file) replace them for a final chunk of fewer than chunk_size rows.
+    The band: pass within the bounds, fail beyond ``fail_factor`` times them, suspect between.
     """
     import toploc
 
@@ -123,6 +144,7 @@ def verify_rows(
     bounds = [thresholds] * len(chunks)
     if short_chunk_thresholds is not None and n_rows % fp.chunk_size:
         bounds[-1] = short_chunk_thresholds
+    verdict, reason = fingerprint_band(chunks, bounds, fail_factor)
     return VerificationReport(
         chunks=chunks,
         thresholds=thresholds,
@@ -131,4 +153,24 @@ def verify_rows(
         worst_mant_err_median=max(chunk.mant_err_median for chunk in chunks),
         verified=all(chunk.within(bound) for chunk, bound in zip(chunks, bounds)),
         short_chunk_thresholds=short_chunk_thresholds,
+        fail_factor=fail_factor,
+        verdict=verdict,
+        reason=reason,
     )
+
+
+def fingerprint_band(chunks: Sequence[ChunkResult], bounds: Sequence[Thresholds],
+                     fail_factor: float) -> tuple[str, str | None]:
+    """The band of a fingerprint from its chunks and their pass bounds, and why (the first chunk
+    of the worst band: its statistic, value and bound); None when it passes."""
+    band, reason = PASS, None
+    for index, (chunk, bound) in enumerate(zip(chunks, bounds)):
+        over = chunk.excess(scaled(bound, fail_factor))
+        if over is not None:
+            name, value, limit = over
+            return FAIL, f"chunk {index}: {name} {value:g} above the fail bound {limit:g}"
+        over = chunk.excess(bound)
+        if over is not None and band == PASS:
+            name, value, limit = over
+            band, reason = SUSPECT, f"chunk {index}: {name} {value:g} above the pass bound {limit:g}"
+    return band, reason
