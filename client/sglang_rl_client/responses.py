@@ -321,6 +321,8 @@ def summarize(result: dict) -> str:
     limits = result.get("thresholds", {})
     lines = [
         f"verified: {result.get('verified')}  (fingerprint: {result.get('fingerprint_verified')})",
+        *([f"verdict: {result['verdict']}" + "".join(f"\n  {r}" for r in result.get("verdict_reasons") or [])]
+          if "verdict" in result else []),
         f"chunks: {result.get('num_chunks')}, response tokens: {result.get('response_tokens')} "
         f"starting at position {result.get('response_start')}",
         "worst chunk: exp_mismatches {} (max {}), mant_err_mean {:.3g} (max {}), "
@@ -338,6 +340,9 @@ def summarize(result: dict) -> str:
         if result.get("expect_greedy"):
             line += " (required: expect_greedy)"
         lines.append(line)
+    if result.get("ends_on_eos") and "eos_prob" in result:
+        lines.append(f"ends on EOS token {result.get('response_last_token')} with probability "
+                     f"{result['eos_prob']:.3g} (bound {result.get('min_eos_prob')})")
     if "sampling_z" in result:
         lines.append(f"sampling test (temperature 1): Z = {result['sampling_z']:.2f} over "
                      f"{result.get('sampling_checked')} tokens, bound |Z| <= {result.get('sampling_max_z')}: "
