@@ -36,7 +36,7 @@ for arm in $ARMS; do
     > "$OUT/$arm.log" 2>&1 || { echo "arm $arm failed:"; tail -40 "$OUT/$arm.log"; }
 done
 $PY benchmark/verl_grpo_table.py "$OUT/logs/sglang-rl-gsm8k" --samples-per-step $((BATCH * N)) \
-  $($PY -c "import matplotlib" 2>/dev/null && echo --png "$OUT/grpo.png")
+  $($PY -c "import matplotlib" 2>/dev/null && echo --png "$OUT/grpo.png") || echo "no table (see the arms' logs)"
 # the audit: 256 random co-training rollouts on a separate verifier with calibrated bounds
 if [ "${AUDIT:-1}" = 1 ] && [ -d "$OUT/rollout_sample/cotrain" ]; then
   $PY -m sglang.launch_server --model-path "$MODEL" --toploc-verification --port 31111 \

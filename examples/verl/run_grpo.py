@@ -44,7 +44,8 @@ def sglang_kwargs(arm: str, drafter_path: str | None) -> dict:
 
 def overrides(arm: str, model_path: str, data_dir: str, drafter_path: str | None = None,
               steps: int = 30, gpus: int = 2, batch: int = 64, samples: int = 8,
-              rollout_sample_dir: str | None = None, rollout_sample_rate: float = 0.05) -> list[str]:
+              rollout_sample_dir: str | None = None, rollout_sample_rate: float = 0.05,
+              file_logger_root: str | None = None) -> list[str]:
     """verl's hydra overrides for one arm."""
     if arm not in ARMS:
         raise ValueError(f"--arm must be one of {', '.join(ARMS)}")
@@ -88,10 +89,12 @@ def overrides(arm: str, model_path: str, data_dir: str, drafter_path: str | None
         "trainer.v1.trainer_mode=sglang_rl_sync",
         f"+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook={SETUP_HOOK}",
     ]
+    env = "+ray_kwargs.ray_init.runtime_env.env_vars"
     if rollout_sample_dir:  # a random share of the rollouts, with their ids, for an audit after the run
-        env = "+ray_kwargs.ray_init.runtime_env.env_vars"
         args += [f"{env}.SGLANG_RL_ROLLOUT_SAMPLE_DIR={rollout_sample_dir}",
                  f"{env}.SGLANG_RL_ROLLOUT_SAMPLE_RATE='{rollout_sample_rate}'"]  # quoted: Ray wants a string
+    if file_logger_root:  # verl's file logger runs in a Ray worker, which a running cluster does not give our env
+        args.append(f"{env}.VERL_FILE_LOGGER_ROOT={os.path.abspath(file_logger_root)}")
     if arm != "plain":  # verl's switch for speculative rollout: EAGLE, 3 steps, top-1, 4 draft tokens
         args += ["actor_rollout_ref.model.mtp.enable=True", "actor_rollout_ref.model.mtp.enable_rollout=True"]
     args += [f"+{rollout}.engine_kwargs.sglang.{key}={value}"
@@ -117,7 +120,8 @@ def main() -> None:
         command = [sys.executable, "-m", "verl.trainer.main_ppo",
                    *overrides(args.arm, args.model_path, args.data_dir, args.drafter_path, args.steps, args.gpus,
                              rollout_sample_dir=args.rollout_sample_dir,
-                             rollout_sample_rate=args.rollout_sample_rate),
+                             rollout_sample_rate=args.rollout_sample_rate,
+                             file_logger_root=os.environ.get("VERL_FILE_LOGGER_ROOT")),
                    *extra]
     except ValueError as error:
         parser.error(str(error))

@@ -73,6 +73,8 @@ def test_rollout_sample_goes_to_every_ray_worker() -> None:
     assert env_vars.SGLANG_RL_ROLLOUT_SAMPLE_DIR == "/audit"
     assert env_vars.SGLANG_RL_ROLLOUT_SAMPLE_RATE == "0.2"  # a string: Ray refuses other env values
     assert "env_vars" not in example_config("plain", "/m", None).ray_kwargs.ray_init.runtime_env
+    logged = example_config("plain", "/m", None, file_logger_root="/logs").ray_kwargs.ray_init.runtime_env
+    assert logged.env_vars.VERL_FILE_LOGGER_ROOT == "/logs"  # the file logger runs in a Ray worker
 
 
 def test_launcher_refuses_an_arm_without_its_drafter() -> None:
