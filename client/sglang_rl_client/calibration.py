@@ -6,7 +6,8 @@ chunks and for a short final chunk (fewer rows than the chunk size: its top-k is
 values, so its noise differs), the per-response false-rejection budget the bounds were chosen for,
 a summary of the honest and cheat statistics they came from, and the per-response score
 histograms that worker-level evidence (``sglang_rl_client.evidence``) uses as its honest and
-cheat distributions. Without a file a server keeps the TOPLOC authors' uncalibrated defaults.
+cheat distributions, and optionally ``fail_factor``: the outer bound of the verdict bands as a
+multiple of the pass bound (2 when absent). Without a file a server keeps the TOPLOC authors' uncalibrated defaults.
 
 Reading a file needs only the standard library (operators judge workers with it); fitting one is
 the plugin's (``sglang_rl.fingerprint.calibration``).

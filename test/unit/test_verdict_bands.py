@@ -176,3 +176,27 @@ def test_calibration_files_carry_the_fail_factor() -> None:
         with pytest.raises(CalibrationError, match="fail_factor"):
             calibration_from_dict({**doc, "fail_factor": bad})
     assert ThresholdPolicy(BOUND).outer(BOUND) == Thresholds(20, 4.0, 4.0)
+
+
+def test_rollouts_carry_their_limit_and_workers_count_bands() -> None:
+    from sglang_rl_client import cli
+    from sglang_rl_client.fingerprint import Fingerprint, encode_fingerprint
+    from sglang_rl_client.verifier import Rollout, RolloutError, request_body
+
+    fp = encode_fingerprint(Fingerprint(topk=1, chunk_size=32, n_rows=2, proofs=(b"\x00\x05\x00\x01",)))
+    record = {"input_ids": [1, 2], "output_ids": [3, 2], "fingerprint": fp, "max_new_tokens": 64, "step": 1}
+    rollout = Rollout.from_dict(record)
+    rollout.check()
+    assert rollout.data == {"step": 1}
+    assert request_body([rollout])["sampling_params"] == {"max_new_tokens": 0, "toploc_verification_max_new_tokens": 64}
+    assert "toploc_verification_max_new_tokens" not in Rollout.from_dict({**record, "max_new_tokens": None}).sampling_params()
+    for bad in (0, "64", True):
+        with pytest.raises(RolloutError, match="max_new_tokens must be a positive integer"):
+            Rollout.from_dict({**record, "max_new_tokens": bad}).check()
+    tally = cli.Tally()
+    for result in ({"verified": True, "verdict": PASS}, {"verified": False, "verdict": SUSPECT},
+                   {"verified": False, "verdict": FAIL, "verdict_reasons": ["x"]}, {"verified": False, "error": "e"}):
+        tally.add("w", "verified" if result["verified"] else "failed", result)
+    [worker] = tally.worker_records()
+    assert (worker["pass"], worker["suspect"], worker["fail"], worker["verdict"]) == (1, 1, 1, "failed")
+    assert cli._why({"verdict": FAIL, "verdict_reasons": ["a", "b"]}) == " (fail: a; b)"
