@@ -145,6 +145,24 @@ def test_cotraining_raises_held_out_acceptance(cotrain_server: Server, toploc_se
     assert rounds_line and float(rounds_line[0].split()[-1]) == trained["rounds"], rounds_line
 
 
+def test_a_round_waits_while_the_weights_are_released(cotrain_server: Server) -> None:
+    """verl's colocated mode releases the weights around each update; a round the trainer finishes
+    meanwhile is loaded after the resume, not into the released (on a GPU: unmapped) memory."""
+    url, prompts = cotrain_server.url, gsm8k()
+    before = stats(url)
+    with ThreadPoolExecutor(ROUND) as pool:  # one round's samples
+        list(pool.map(lambda m: chat(url, m), prompts[200:200 + ROUND]))
+    _post_ok(url, "/release_memory_occupation", {"tags": ["kv_cache", "weights"]})
+    try:
+        # longer than the rounds so far took: the trainer finishes this one meanwhile
+        time.sleep(2 * max(before["round_seconds"] or [15.0]))
+        assert stats(url)["rounds"] == before["rounds"]
+    finally:
+        _post_ok(url, "/resume_memory_occupation", {"tags": ["weights", "kv_cache"]})
+    after = wait_rounds(url, before["rounds"] + 1)
+    assert after["rounds"] == before["rounds"] + 1 and not after["errors"], after
+
+
 def test_target_update_starts_a_new_policy_version(cotrain_server: Server, model_path: str) -> None:
     """An RL step's weight push (here the same weights from disk) is counted; new samples carry it."""
     before = stats(cotrain_server.url)["policy_version"]

@@ -215,6 +215,8 @@ class CotrainRuntime:
 
     def poll(self, scheduler: Any) -> None:
         """Apply finished rounds (between batches, where sglang applies its own weight updates)."""
+        if weights_released(scheduler):
+            return  # rounds wait in the outbox until resume: the draft's memory is unmapped now
         if self.head_checksum is None or (self.head_pending and self.served_since_update):
             self.send_target_head(scheduler)
         while True:
@@ -314,6 +316,15 @@ class _Metrics:
                 value = next((v for v in reversed(value) if v is not None), None)
             if value is not None:
                 gauge.set(value)
+
+
+def weights_released(scheduler: Any) -> bool:
+    """Whether the server's weights are released (`release_memory_occupation`, as verl's colocated
+    mode does around each update): a copy into them then fails with a CUDA error."""
+    from sglang.srt.constants import GPU_MEMORY_TYPE_WEIGHTS
+
+    updater = getattr(scheduler, "weight_updater", None)
+    return GPU_MEMORY_TYPE_WEIGHTS in getattr(updater, "offload_tags", ())
 
 
 def runtime_of(scheduler: Any) -> Optional[CotrainRuntime]:
