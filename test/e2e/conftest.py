@@ -18,8 +18,9 @@ from e2e_servers import POOL, USES_SERVERS, Spec, server_fixture, server_keys
 from hidden_states_fixtures import hf, hs_noradix_server, hs_server, refusal_server  # noqa: F401 - fixtures
 
 toploc_server = server_fixture(
-    Spec("toploc", ("--toploc-verification",)),
-    doc="The main test server: --toploc-verification, radix cache on, default chunked prefill.")
+    Spec("toploc", ("--toploc-verification", "--enable-metrics", "--log-level", "info")),
+    doc="The main test server: --toploc-verification, radix cache on, default chunked prefill; "
+        "sglang's --enable-metrics and INFO logs (test_toploc_metrics reads both).")
 
 plain_server = server_fixture(
     Spec("plain"),

@@ -14,17 +14,11 @@ from collections import Counter
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from e2e_servers import Spec, server_fixture
 from toploc_helpers import RESULT_FIELD, TIMEOUT, gen_generate, post
 
 P = "sglang_rl_toploc_"
 STATISTICS = ("exp_mismatches", "mant_err_mean", "mant_err_median")
 
-metrics_server = server_fixture(
-    Spec("toploc-metrics", ("--toploc-verification", "--enable-metrics", "--log-level", "info")),
-    scope="module",
-    doc="--toploc-verification with sglang's --enable-metrics, logging at INFO (the suite's servers log "
-        "warnings only).")
 
 
 def scrape(url: str) -> dict[tuple, float]:
@@ -53,8 +47,8 @@ def label(report: dict) -> str:
     return report.get("verdict") or ("pass" if report["verified"] else "fail")
 
 
-def test_series_move_by_the_requests_and_failures_are_logged(metrics_server, tokenizer) -> None:
-    url = metrics_server.url
+def test_series_move_by_the_requests_and_failures_are_logged(toploc_server, tokenizer) -> None:
+    url = toploc_server.url
     tag = uuid.uuid4().hex[:8]
     before = scrape(url)
     assert (f"{P}invalid_fingerprints_total", ()) in before  # exported from the start
@@ -81,7 +75,7 @@ def test_series_move_by_the_requests_and_failures_are_logged(metrics_server, tok
         assert delta(before, after, f"{P}{stat}_count") == 2, stat
         assert abs(delta(before, after, f"{P}{stat}_sum") - (honest[stat] + tampered[stat])) < 1e-3, stat
 
-    log = metrics_server.log_path.read_text(errors="replace")
+    log = toploc_server.log_path.read_text(errors="replace")
     assert "sglang-rl 0.1.0 loaded" in log and "TOPLOC metrics on" in log
     assert "TOPLOC verification runs with uncalibrated defaults" in log
     failed = [line for line in log.splitlines() if "TOPLOC verification failed" in line]
