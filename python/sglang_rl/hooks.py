@@ -28,7 +28,7 @@ def hook_table() -> list[Hook]:
     from sglang_rl.adapters import api, hidden_states, kcbs, openai, scheduler, speculative
     from sglang_rl.adapters import cotrain, cotrain_api, drafter_weights, drafter_weights_api
     from sglang_rl.adapters import drafter_save, drafter_save_api
-    from sglang_rl.adapters import toploc, toploc_metrics
+    from sglang_rl.adapters import seeded_sampling, toploc, toploc_metrics
     from sglang_rl.server_args import RLServerArgs
 
     REPLACE, AROUND, BEFORE, AFTER = HookType.REPLACE, HookType.AROUND, HookType.BEFORE, HookType.AFTER
@@ -99,6 +99,12 @@ def hook_table() -> list[Hook]:
         Hook(f"{SRT}.model_executor.model_runner.ModelRunner.sample", AROUND, kcbs.sample_around,
              "a k-CBS step for the beams in the batch: chosen tokens replace the sampled ones, "
              "beam rows fork in req_to_token"),
+        Hook(f"{SRT}.managers.tp_worker.TpModelWorker.forward_batch_generation", AROUND,
+             seeded_sampling.worker_forward_around,
+             "seeded sampling: the sample hook needs the batch's requests (sglang's sampler sees tensors)"),
+        Hook(f"{SRT}.model_executor.model_runner.ModelRunner.sample", AROUND, seeded_sampling.sample_around,
+             "seeded sampling: a request that asked gets the token of (seed, position, logits), "
+             "the same on any batch layout or device, so a verifier can recompute it"),
         Hook(f"{SRT}.mem_cache.common.release_kv_cache", AROUND, kcbs.release_kv_cache_around,
              "a search's beam KV slots go back into its rows once, so sglang frees each once"),
         Hook(f"{SRT}.managers.schedule_batch.Req.__init__", AFTER, scheduler.req_init_after,

@@ -22,6 +22,8 @@ TOPLOC_FIELDS = (
     "toploc_verification_expect_greedy",
     "toploc_verification_expect_sampled",
     "toploc_verification_max_new_tokens",
+    "toploc_verification_seeded_sampling",
+    "toploc_verification_expect_seeded",
 )
 IDS_FIELDS = ("return_input_ids", "return_output_ids")
 HIDDEN_STATES_FIELDS = (
@@ -110,12 +112,13 @@ def validate_fields(fields: dict, server_args: Any) -> dict:
                 "toploc_verification_fingerprints)"
             )
         out["toploc_verification_fingerprint_to_validate"] = fp
-    if fields.get("toploc_verification_expect_greedy") and fields.get("toploc_verification_expect_sampled"):
+    expects = [n for n in EXPECT_FIELDS if fields.get(n) is True]
+    if len(expects) > 1:
         raise RequestOptionError(
-            "toploc_verification_expect_greedy and toploc_verification_expect_sampled exclude each "
-            "other: a response was either decoded greedily or sampled at temperature 1"
+            f"{' and '.join(expects)} exclude each other: a response was decoded greedily, sampled "
+            "at temperature 1, or sampled with a seed"
         )
-    for name in ("toploc_verification_expect_greedy", "toploc_verification_expect_sampled") + IDS_FIELDS:
+    for name in EXPECT_FIELDS + (SEEDED_SAMPLING_KEY,) + IDS_FIELDS:
         value = fields.get(name)
         if value is None:
             continue
@@ -132,6 +135,68 @@ def validate_fields(fields: dict, server_args: Any) -> dict:
         if not cotrain:
             out["cotrain_opt_out"] = True  # sglang_rl.adapters.cotrain.OPT_OUT_KEY
     return out
+
+
+EXPECT_FIELDS = ("toploc_verification_expect_greedy", "toploc_verification_expect_sampled",
+                 "toploc_verification_expect_seeded")
+SEEDED_SAMPLING_KEY = "toploc_verification_seeded_sampling"
+# sampling_params values that change the logits in ways a verifier's prefill cannot see
+_SEEDED_NEUTRAL = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
+                   "min_new_tokens": 0, "logit_bias": None}
+
+
+def _seed(params: dict, field: str) -> int:
+    seed = params.get("sampling_seed")
+    if seed is None:
+        raise RequestOptionError(f"{field} needs sglang's sampling_params.sampling_seed (OpenAI: seed)")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 1 << 63:
+        raise RequestOptionError(f"sampling_seed must be an integer in [0, 2^63), got {seed!r}")
+    return seed
+
+
+def validate_seeded_sampling(params: dict, custom_logit_processor: Any, server_args: Any) -> None:
+    """A generation that samples with the seeded sampler: it needs a seed, and nothing that moves
+    its logits away from the model's (which the verifier recomputes) or repeats its draws."""
+    field = SEEDED_SAMPLING_KEY
+    _seed(params, field)
+    if params.get("max_new_tokens") == 0:
+        raise RequestOptionError(f"{field} is for generations (max_new_tokens > 0)")
+    for name, neutral in _SEEDED_NEUTRAL.items():
+        if params.get(name) not in (None, neutral):
+            raise RequestOptionError(f"{field} cannot be combined with {name}: the verifier sees only "
+                                     "the model's logits")
+    if any(params.get(name) is not None for name in GRAMMAR_PARAMS) or custom_logit_processor:
+        raise RequestOptionError(f"{field} cannot be combined with a grammar or a custom logit processor")
+    if (params.get("n") or 1) > 1:
+        raise RequestOptionError(f"{field} with n > 1 would draw the same tokens n times: send one "
+                                 "request per seed")
+    if getattr(server_args, "speculative_algorithm", None):
+        raise RequestOptionError(f"{field} is not supported with speculative decoding")
+
+
+def seeded_claim(params: dict) -> dict:
+    """The sampling a verified response claims (expect_seeded): the verification request's own
+    temperature, top_p, top_k, min_p and sampling_seed, in sglang's meaning."""
+    field = "toploc_verification_expect_seeded"
+    seed = _seed(params, field)
+    temperature = params.get("temperature", 1.0)
+    top_p = params.get("top_p", 1.0)
+    top_k = params.get("top_k", -1)
+    min_p = params.get("min_p", 0.0)
+    for name, value in (("temperature", temperature), ("top_p", top_p), ("min_p", min_p)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise RequestOptionError(f"{name} must be a number, got {value!r}")
+    if not 0 < temperature <= 100:
+        raise RequestOptionError(f"{field} needs a temperature in (0, 100], got {temperature} "
+                                 "(greedy responses: toploc_verification_expect_greedy)")
+    if not 0 < top_p <= 1 or not 0 <= min_p <= 1:
+        raise RequestOptionError(f"top_p must be in (0, 1] and min_p in [0, 1], got {top_p}, {min_p}")
+    if top_k is None:
+        top_k = -1
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or (top_k < 1 and top_k != -1):
+        raise RequestOptionError(f"top_k must be -1 or a positive integer, got {top_k!r}")
+    return {"temperature": float(temperature), "top_p": float(top_p), "top_k": top_k,
+            "min_p": float(min_p), "seed": seed}
 
 
 # sglang's own grammar fields of sampling_params.

@@ -12,6 +12,7 @@ import math
 from typing import Any, Optional
 
 from sglang_rl.fingerprint.sampling import DEFAULT_MAX_Z, SamplingCheck, sampling_check
+from sglang_rl.fingerprint.seeded_sampling import SamplingClaim, SeededCheck, seeded_check
 from sglang_rl.fingerprint.verdict import complete_verdict
 
 
@@ -78,10 +79,35 @@ def _sampling_fields(report: dict, meta: dict, max_z: float) -> dict:
     return sampling_check(tokens, logprobs, top_lists, positions, max_z).to_dict()
 
 
+# no vocabulary size known: bound the unseen tokens by a larger one (only fewer positions decide)
+_FALLBACK_VOCAB = 1 << 18
+
+
+def _seeded_fields(report: dict, meta: dict, claim: dict) -> dict:
+    """The seeded-sampling check over the response tokens inside the prefill (`claim`: the
+    claimed temperature, top_p, top_k, min_p, seed and the model's vocabulary size)."""
+    found = _response_indices(report, meta)
+    if found is None:
+        return SeededCheck(checked=0, mismatches=0, undecided=0).to_dict()
+    entries, tops, indices = found
+    tokens, top_lists, positions = [], [], []
+    for pos, j in indices:
+        if j < len(tops) and tops[j]:
+            tokens.append(entries[j][1])
+            top_lists.append([(entry[0], entry[1]) for entry in tops[j] if entry[0] is not None])
+            positions.append(pos)
+    sampling = SamplingClaim(temperature=claim["temperature"], top_p=claim["top_p"], top_k=claim["top_k"],
+                             min_p=claim["min_p"])
+    check = seeded_check(tokens, top_lists, positions, sampling, claim["seed"],
+                         claim.get("vocab_size") or _FALLBACK_VOCAB)
+    return {**check.to_dict(), "seeded_claim": {k: v for k, v in claim.items() if k != "vocab_size"}}
+
+
 def finalize_report(report: dict, meta: dict, expect_greedy: bool = False, expect_sampled: bool = False,
-                    max_sampling_z: float = DEFAULT_MAX_Z) -> dict:
-    """Complete the scheduler's report; `verified` also requires greedy consistency, or a
-    passing temperature-1 sampling test, if asked, and the termination check (`verdict`)."""
+                    max_sampling_z: float = DEFAULT_MAX_Z, seeded: Optional[dict] = None) -> dict:
+    """Complete the scheduler's report; `verified` also requires greedy consistency, a passing
+    temperature-1 sampling test or a passing seeded check (`seeded`: the claimed sampling), if
+    asked, and the termination check (`verdict`)."""
     out = dict(report)
     if "error" in out:
         out["verified"] = False
@@ -99,5 +125,9 @@ def finalize_report(report: dict, meta: dict, expect_greedy: bool = False, expec
         out["expect_sampled"] = True
         out.update(_sampling_fields(out, meta, max_sampling_z))
         verdict = verdict and out["sampling_consistent"]
+    if seeded is not None:
+        out["expect_seeded"] = True
+        out.update(_seeded_fields(out, meta, seeded))
+        verdict = verdict and out["seeded_consistent"]
     out["verified"] = verdict
     return complete_verdict(out, meta)

@@ -93,6 +93,7 @@ def _finish_meta(out: dict, obj: Any, position: int) -> None:
             expect_greedy=bool(options.get("toploc_verification_expect_greedy")),
             expect_sampled=bool(options.get("toploc_verification_expect_sampled")),
             max_sampling_z=plan.max_sampling_z if plan is not None else DEFAULT_MAX_Z,
+            seeded=plan.seeded_claim if plan is not None else None,
         ))
     if plan is not None and plan.implicit_logprobs:
         for key in [k for k in meta if "logprobs" in k]:
@@ -117,6 +118,12 @@ def _encodes_rows(out: dict) -> bool:
                for p in meta.get(transport.KEY) or ())
 
 
+def _checks_seeded(obj: Any, position: int) -> bool:
+    """Whether finishing this output runs the seeded check (noise over the vocabulary per token)."""
+    plan = item_plan(obj, position)
+    return plan is not None and plan.seeded_claim is not None
+
+
 def results_of(obj: Any) -> dict:
     """Response fields recorded per choice index for a request (read by the streaming adapter)."""
     return obj.__dict__.get(_RESULTS, {})
@@ -128,7 +135,8 @@ def generate_request_around(original: Callable, manager: Any, obj: Any, request:
     async def run():
         started = time.perf_counter()
         try:
-            prepare_request(obj, manager.server_args, in_process=request is None)
+            prepare_request(obj, manager.server_args, in_process=request is None,
+                            vocab_size=getattr(getattr(manager, "model_config", None), "vocab_size", None))
         except InvalidFingerprintError:
             toploc_metrics.count_invalid_fingerprint(manager)
             raise
@@ -138,7 +146,7 @@ def generate_request_around(original: Callable, manager: Any, obj: Any, request:
                 if not isinstance(item, dict):
                     continue
                 position = item.get("index", position)
-                if _encodes_rows(item):
+                if _encodes_rows(item) or _checks_seeded(obj, position):
                     encoding.append((item, position))
                 else:
                     _finish_meta(item, obj, position)
@@ -146,6 +154,7 @@ def generate_request_around(original: Callable, manager: Any, obj: Any, request:
                 # base64 of megabytes of rows, in worker threads (reading the row files and the
                 # SIMD encoder both release the GIL): the outputs of a batch request, which arrive
                 # together, encode in parallel, and the event loop keeps serving other requests
+                # (the seeded check's vocabulary-wide noise runs there too, in torch without the GIL)
                 await asyncio.gather(*(asyncio.to_thread(_finish_meta, item, obj, position)
                                        for item, position in encoding))
             for item in out if isinstance(out, list) else [out]:

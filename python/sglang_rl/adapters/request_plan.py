@@ -16,6 +16,7 @@ from sglang.srt.managers.io_struct import GenerateReqInput
 from sglang_rl.adapters import hidden_states as hs_adapter
 from sglang_rl.fingerprint.sampling import DEFAULT_MAX_Z
 from sglang_rl.fingerprint.sampling import TOP_N as SAMPLING_TOP_N
+from sglang_rl.fingerprint.seeded_sampling import TOP_N as SEEDED_TOP_N
 from sglang_rl.fingerprint.termination import MAX_NEW_TOKENS_FIELD
 from sglang_rl.request_options import (
     ALL_FIELDS,
@@ -23,14 +24,17 @@ from sglang_rl.request_options import (
     HIDDEN_STATES_FIELDS,
     KCBS_FIELDS,
     RESPONSE_START_KEY,
+    SEEDED_SAMPLING_KEY,
     RequestOptionError,
     pop_fields,
+    seeded_claim,
     validate_combination,
     validate_fields,
     validate_fingerprint_to_validate,
     validate_grammar,
     validate_hidden_states,
     validate_kcbs,
+    validate_seeded_sampling,
     validate_verification_span,
 )
 
@@ -133,9 +137,11 @@ class ItemPlan:
     return_hidden_states: Any
     implicit_logprobs: bool = False
     max_sampling_z: float = DEFAULT_MAX_Z
+    seeded_claim: Optional[dict] = None
+    """expect_seeded: the claimed sampling (temperature, top_p, top_k, min_p, seed, vocab_size)."""
 
 
-def prepare_request(obj: Any, server_args: Any, in_process: bool = False) -> None:
+def prepare_request(obj: Any, server_args: Any, in_process: bool = False, vocab_size: Optional[int] = None) -> None:
     """Validate the sglang-rl fields of a GenerateReqInput and move them into custom_params,
     item by item: every item of a batch gets exactly its own fields."""
     if not isinstance(obj, GenerateReqInput):
@@ -148,7 +154,10 @@ def prepare_request(obj: Any, server_args: Any, in_process: bool = False) -> Non
     plans = []
     for i, (top, params) in enumerate(zip(tops, dicts)):
         item = None if batch is None else i
-        plans.append(_prepare_item(obj, item, params, _merge_fields(top, params), server_args, in_process))
+        plan = _prepare_item(obj, item, params, _merge_fields(top, params), server_args, in_process)
+        if plan.seeded_claim is not None:
+            plan.seeded_claim["vocab_size"] = vocab_size
+        plans.append(plan)
     if batch is not None:
         obj.sampling_params = dicts
     _apply_plans(obj, batch, plans)
@@ -177,6 +186,10 @@ def _prepare_item(obj: Any, item: Optional[int], params: dict, fields: dict, ser
     if kcbs_entry:
         _prepare_kcbs(plan, params, kcbs_entry)
         entry.update(kcbs_entry)
+    if entry.get(SEEDED_SAMPLING_KEY):
+        if kcbs_entry:
+            raise RequestOptionError(f"{SEEDED_SAMPLING_KEY} cannot be combined with k-CBS")
+        validate_seeded_sampling(params, _per_item(getattr(obj, "custom_logit_processor", None), item), server_args)
     if "toploc_verification_fingerprint_to_validate" in entry:
         _prepare_verification(plan, params, entry, internal, _prompt_len(obj, item), server_args)
     if claimed_limit is not None:
@@ -235,6 +248,9 @@ def _prepare_verification(plan: ItemPlan, params: dict, entry: dict, internal: d
     start = validate_verification_span(fp.n_rows, params, prompt_len, internal.get(RESPONSE_START_KEY))
     if start is not None:
         internal[RESPONSE_START_KEY] = start
+    if entry.get("toploc_verification_expect_seeded"):
+        plan.seeded_claim = seeded_claim(params)
+        params.update(top_p=1.0, top_k=-1, min_p=0.0)
     params["temperature"] = 1.0
     plan.implicit_logprobs = not plan.return_logprob
     plan.return_logprob = True
@@ -243,6 +259,8 @@ def _prepare_verification(plan: ItemPlan, params: dict, entry: dict, internal: d
     if entry.get("toploc_verification_expect_sampled"):
         plan.top_logprobs_num = max(plan.top_logprobs_num, SAMPLING_TOP_N)
         plan.max_sampling_z = server_args.toploc_verification_max_sampling_z
+    if plan.seeded_claim is not None:
+        plan.top_logprobs_num = max(plan.top_logprobs_num, SEEDED_TOP_N)
 
 
 def _claimed_limit(value: Any, entry: dict) -> int:

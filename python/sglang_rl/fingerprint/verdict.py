@@ -31,6 +31,10 @@ def complete_verdict(out: dict[str, Any], meta: Mapping[str, Any]) -> dict[str, 
         band = FAIL
         reasons.append(f"sampling test Z = {out.get('sampling_z', 0.0):.2f}, beyond "
                        f"+-{out.get('sampling_max_z')} (expect_sampled)")
+    if out.get("expect_seeded") and not out.get("seeded_consistent"):
+        band = FAIL
+        reasons.append(f"{out.get('seeded_mismatches', 0)} of {out.get('seeded_checked', 0)} decided response "
+                       "tokens are not the seeded sampler's (expect_seeded)")
     fields, reason = check_termination(out, last_token_logprob(out, meta))
     out.update(fields)
     if reason is not None:
