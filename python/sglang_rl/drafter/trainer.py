@@ -191,8 +191,10 @@ class DrafterTrainer:
         """Run ``steps`` optimizer steps, cycling through the batches of ``data`` in order.
 
         Returns one metrics dict per step: ``step``, ``loss``, ``value_loss``, ``prob_loss``,
-        ``top1_agreement``, ``grad_norm``, ``num_pairs``, ``num_loss_pairs``, ``seconds`` and
-        ``skipped`` (1.0 when the batch had no loss-masked pair and no update was made).
+        ``top1_agreement``, ``grad_norm``, ``num_pairs``, ``num_loss_pairs``, ``seconds``, ``lr`` and
+        ``skipped`` (1.0 when the batch had no loss-masked pair and no update was made). With
+        ``unroll_steps > 1``: ``loss`` is the weighted sum over the steps, the loss parts and
+        ``top1_agreement`` are step 1's, and ``top1_agreement_stepJ`` is step J's.
         """
         batches = self.as_batches(data)
         if not batches:
