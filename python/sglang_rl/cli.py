@@ -22,7 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "calibrate": ("sglang_rl.calibration.fit", "fit TOPLOC verification bounds to a model (writes a calibration file)"),
     "calibrate-server": ("sglang_rl.calibration.servers", "calibration records from a generator server checked by a verifier server"),
     "evidence": ("sglang_rl_client.worker_evidence", "judge workers from their saved verification results"),
-    "drafter": ("sglang_rl.drafter.cli", "EAGLE drafter folders: `init` writes a random-init drafter for a target"),
+    "drafter": ("sglang_rl.drafter.cli", "EAGLE drafter folders: `init` writes a random-init drafter; `trainer` serves one co-training trainer to several servers"),
     "audit": ("sglang_rl.integrations.verl.audit", "verify a sample of a verl run's rollouts on a verifier server"),
 }
 

@@ -100,6 +100,10 @@ class RLServerArgs(ServerArgs):
     drafter_cotrain_train_dtype: A[
         str, "sglang-rl: compute dtype of co-training (bfloat16: autocast, float32 weights)."
     ] = "float32"
+    drafter_cotrain_trainer: A[
+        Optional[str], "sglang-rl: HOST:PORT of a shared `sglang-rl drafter trainer` to send rollouts to "
+        "instead of training in this server (key: SGLANG_RL_COTRAIN_AUTHKEY)."
+    ] = None
 
     def __post_init__(self) -> None:
         if self.toploc_verification_topk < 1 or self.toploc_verification_topk > 4096:
@@ -175,3 +179,7 @@ class RLServerArgs(ServerArgs):
         from sglang_rl.adapters.cotrain import config_from_args
 
         config_from_args(self)
+        if self.drafter_cotrain_trainer:  # a trainer that does not answer stops the start, with the reason
+            from sglang_rl.drafter.trainer_client import check_trainer
+
+            check_trainer(self.drafter_cotrain_trainer)

@@ -275,6 +275,8 @@ BAD_OPTIONS = [
       "--drafter-cotrain", "--drafter-cotrain-lr", "5"), "lr must be in (0, 1)"),
     (("--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "/nonexistent",
       "--drafter-cotrain", "--drafter-cotrain-samples-per-round", "0"), "samples_per_round must be a positive"),
+    (("--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "/nonexistent",
+      "--drafter-cotrain", "--drafter-cotrain-trainer", "127.0.0.1:1"), "drafter trainer at 127.0.0.1:1 does not answer"),
 ]
 
 

@@ -29,6 +29,7 @@ import torch
 from sglang.srt.managers.io_struct import GetWeightsByNameReqInput, GetWeightsByNameReqOutput
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 
+from sglang_rl.adapters.cotrain_metrics import CotrainMetrics
 from sglang_rl.adapters.hidden_states import CotrainRows
 from sglang_rl.adapters.request_state import cotrain_rows_of, kcbs_beam_of, kcbs_search_of, peek, state_of
 from sglang_rl.drafter.cotrain import (
@@ -38,6 +39,7 @@ from sglang_rl.drafter.cotrain import (
     sample_to_wire,
     to_wire,
 )
+from sglang_rl.drafter.trainer_client import RemoteTrainer
 from sglang_rl.request_options import options_of
 
 logger = logging.getLogger(__name__)
@@ -115,11 +117,15 @@ class CotrainRuntime:
         self.window = self.config.window
         # bounded: when training falls behind the rollouts, new samples are skipped (and counted)
         # instead of piling up in the scheduler's memory
-        self.inbox = ctx.Queue(maxsize=max(2 * self.config.samples_per_round, 64))
-        self.outbox = ctx.Queue()
-        self.process = ctx.Process(target=cotrain_main, args=(self.config, self.inbox, self.outbox),
-                                   name="sglang-rl-drafter-cotrain", daemon=True)
-        self.process.start()
+        maxsize = max(2 * self.config.samples_per_round, 64)
+        if server_args.drafter_cotrain_trainer:  # a shared trainer (sglang-rl drafter trainer)
+            self.process = RemoteTrainer(server_args.drafter_cotrain_trainer, maxsize)
+            self.inbox, self.outbox = self.process.inbox, self.process.outbox
+        else:
+            self.inbox, self.outbox = ctx.Queue(maxsize=maxsize), ctx.Queue()
+            self.process = ctx.Process(target=cotrain_main, args=(self.config, self.inbox, self.outbox),
+                                       name="sglang-rl-drafter-cotrain", daemon=True)
+            self.process.start()
         self.policy_version = 0
         # a run of target updates with no rollout between them is one RL step; the first run
         # (verl's initial push) starts version 1
@@ -137,7 +143,7 @@ class CotrainRuntime:
         self.acceptance = [_Acceptance()]  # index r: requests served by round r's weights
         self.held_out = [_Acceptance()]
         self.saved: Optional[dict] = None  # the last POST /save_draft_weights (adapters/drafter_save.py)
-        self.metrics = _Metrics.create(server_args)
+        self.metrics = CotrainMetrics.create(server_args)
 
     @property
     def draft_round(self) -> int:
@@ -284,38 +290,6 @@ class CotrainRuntime:
             self.process.join(timeout=5)
             if self.process.is_alive():
                 self.process.kill()
-
-
-class _Metrics:
-    """Prometheus gauges mirroring the stats (only when the server runs with --enable-metrics)."""
-
-    def __init__(self, gauges: dict) -> None:
-        self.gauges = gauges
-
-    @classmethod
-    def create(cls, server_args: Any) -> "_Metrics":
-        if not getattr(server_args, "enable_metrics", False):
-            return cls({})
-        from prometheus_client import Gauge
-
-        names = {
-            "rounds": "Drafter co-training rounds applied to the draft model",
-            "samples": "Rollout samples sent to drafter co-training",
-            "policy_version": "Policy versions (RL steps: runs of target weight updates) seen by drafter co-training",
-            "loss": "Drafter training loss of the last round",
-            "acceptance_length": "Tokens per verify step under the current co-trained draft",
-            "held_out_acceptance_length": "Tokens per verify step of opted-out (held-out) requests",
-        }
-        return cls({key: Gauge(f"sglang_rl:drafter_cotrain_{key}", doc, multiprocess_mode="mostrecent")
-                    for key, doc in names.items()})
-
-    def publish(self, stats: dict) -> None:
-        for key, gauge in self.gauges.items():
-            value = stats[key]
-            if isinstance(value, list):
-                value = next((v for v in reversed(value) if v is not None), None)
-            if value is not None:
-                gauge.set(value)
 
 
 def weights_released(scheduler: Any) -> bool:

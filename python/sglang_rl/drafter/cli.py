@@ -1,7 +1,9 @@
-"""``sglang-rl drafter init``: write a freshly initialised drafter folder for a target model."""
+"""``sglang-rl drafter init``: write a freshly initialised drafter folder for a target model.
+``sglang-rl drafter trainer``: one co-training trainer that several servers share."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import Sequence
 
@@ -28,12 +30,61 @@ def _parser() -> ArgumentParser:
         help="passthrough (default): starts as h_{t+1} = h_t, so it drafts the last token again; "
         "normal: N(0, initializer_range) weights",
     )
+    _trainer_parser(sub)
     return parser
+
+
+# CotrainConfig fields a trainer takes as flags (named as a server's --drafter-cotrain-* flags)
+_OWN = {"serve_dtype": "dtype of the weights sent to the servers (their --dtype)",
+        "replay_decay": "replay weight per policy version behind", "seed": "seed of the replay draws"}
+_TYPES = {"int": int, "float": float, "str": str, "Optional[int]": int, "Optional[str]": str}
+
+
+def _trainer_parser(sub) -> None:
+    from sglang_rl.drafter.cotrain import CotrainConfig
+    from sglang_rl.drafter.trainer_client import AUTHKEY_ENV
+
+    trainer = sub.add_parser("trainer", help="one drafter trainer for several --drafter-cotrain-trainer servers")
+    trainer.add_argument("--listen", required=True, help="HOST:PORT to accept servers on")
+    trainer.add_argument("--authkey-env", default=AUTHKEY_ENV,
+                         help="environment variable holding the shared key (the servers read " + AUTHKEY_ENV + ")")
+    trainer.add_argument("--model-path", required=True, help="target model folder (embedding and LM head)")
+    trainer.add_argument("--drafter-path", required=True, help="drafter folder to start from (the servers' draft)")
+    for f in dataclasses.fields(CotrainConfig):
+        if f.name in ("draft_path", "target_path"):
+            continue
+        flag = f.name.replace("_", "-")
+        note = _OWN.get(f.name, f"as a server's --drafter-cotrain-{flag}")
+        trainer.add_argument("--" + flag, type=_TYPES[str(f.type)], default=f.default, help=f"{note} (default {f.default})")
+
+
+def _trainer(args) -> int:
+    import os
+
+    from sglang_rl.drafter.cotrain import CotrainConfig
+    from sglang_rl.drafter.trainer_client import DEFAULT_AUTHKEY, parse_address
+    from sglang_rl.drafter.trainer_server import flush_log, is_loopback, serve
+
+    names = {f.name for f in dataclasses.fields(CotrainConfig)} - {"draft_path", "target_path"}
+    try:
+        config = CotrainConfig(draft_path=args.drafter_path, target_path=args.model_path,
+                               **{n: getattr(args, n) for n in names})
+        config.check()
+        host, _ = parse_address(args.listen)
+        key = os.environ.get(args.authkey_env)
+        if not key and not is_loopback(host):
+            raise ValueError(f"listening on {host} needs a shared key: set {args.authkey_env} here and on the servers")
+        return serve(config, args.listen, key.encode() if key else DEFAULT_AUTHKEY, log=flush_log)
+    except (ValueError, OSError) as err:
+        print(f"sglang-rl drafter trainer: error: {err}", file=sys.stderr)
+        return 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the process exit code."""
     args = _parser().parse_args(argv)
+    if args.command == "trainer":
+        return _trainer(args)
     try:
         target_dtype = DrafterConfig.from_dir(args.model_path).dtype
         model = init_drafter(args.model_path, seed=args.seed, init=args.init)

@@ -1,0 +1,178 @@
+"""One drafter trainer for several rollout servers: ``sglang-rl drafter trainer --listen HOST:PORT``.
+
+The trainer runs the same co-training process a ``--drafter-cotrain`` server spawns
+(:func:`cotrain_main` behind local queues) and bridges its queues to the servers that connect
+with ``--drafter-cotrain-trainer HOST:PORT``: one thread per server feeds what it sends into the
+inbox, one thread sends every outbox message (ready, round, error) to every connected server, and
+a server that connects later first gets the newest round. Engine-agnostic: no sglang import.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import multiprocessing
+import queue
+import socket
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection, Listener
+from typing import Any, Callable
+
+from sglang_rl.drafter.cotrain import CotrainConfig, cotrain_main
+from sglang_rl.drafter.trainer_client import hang_up, parse_address
+
+__all__ = ["TrainerHub", "is_loopback", "serve"]
+
+# what a server may send; anything else is dropped (the trainer is shared: no one server stops it)
+ACCEPTED = ("sample", "target_head")
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+class TrainerHub:
+    """Connections of the servers, bridged to one co-training process's ``inbox``/``outbox``."""
+
+    def __init__(self, listener: Listener, inbox: Any, outbox: Any,
+                 log: Callable[[str], None] = print) -> None:
+        self.listener = listener
+        self.inbox = inbox
+        self.outbox = outbox
+        self.log = log
+        self.lock = threading.Lock()  # guards the connection list and every send
+        self.conns: dict[int, Connection] = {}
+        self.latest: dict[str, tuple] = {}  # newest "ready" and "round", for late joiners
+        self.received = 0
+        self.skipped_busy = 0
+        self.next_id = 0
+        self.stopped = False
+
+    def start(self) -> "TrainerHub":
+        threading.Thread(target=self._accept_loop, name="trainer-accept", daemon=True).start()
+        threading.Thread(target=self._broadcast_loop, name="trainer-broadcast", daemon=True).start()
+        return self
+
+    @property
+    def servers(self) -> int:
+        with self.lock:
+            return len(self.conns)
+
+    def _accept_loop(self) -> None:
+        while not self.stopped:
+            try:
+                conn = self.listener.accept()
+            except Exception as exc:  # noqa: BLE001 - a failed handshake (wrong key) refuses that one only
+                if self.stopped:
+                    return
+                self.log(f"trainer: refused a connection: {type(exc).__name__}: {exc}")
+                continue
+            with self.lock:
+                cid, self.next_id = self.next_id, self.next_id + 1
+                self.conns[cid] = conn
+                for kind in ("ready", "round"):
+                    if kind in self.latest:
+                        self._send(cid, self.latest[kind])
+            self.log(f"trainer: server {cid} connected ({self.servers} connected)")
+            threading.Thread(target=self._read_loop, args=(cid, conn), name=f"trainer-read-{cid}",
+                             daemon=True).start()
+
+    def _read_loop(self, cid: int, conn: Connection) -> None:
+        while True:
+            try:
+                message = conn.recv()
+            except Exception:  # noqa: BLE001 - EOF, reset, or the hub closing
+                break
+            if not (isinstance(message, tuple) and message and message[0] in ACCEPTED):
+                continue
+            try:
+                self.inbox.put_nowait(message)
+            except queue.Full:  # training is behind: skip, as a server's own bounded queue does
+                self.skipped_busy += 1
+                continue
+            self.received += message[0] == "sample"
+        with self.lock:
+            self.conns.pop(cid, None)
+        conn.close()
+        self.log(f"trainer: server {cid} disconnected ({self.servers} connected)")
+
+    def _send(self, cid: int, message: tuple) -> None:
+        """Send to one server (lock held); a server that cannot be reached is dropped."""
+        conn = self.conns.get(cid)
+        try:
+            if conn is not None:
+                conn.send(message)
+        except (OSError, ValueError):
+            self.conns.pop(cid, None)
+
+    def broadcast(self, message: tuple) -> None:
+        with self.lock:
+            if message[0] in ("ready", "round"):
+                self.latest[message[0]] = message
+            for cid in list(self.conns):
+                self._send(cid, message)
+
+    def _broadcast_loop(self) -> None:
+        while not self.stopped:
+            try:
+                message = self.outbox.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            except (OSError, EOFError, ValueError):
+                return
+            self.broadcast(message)
+            if message[0] == "round":
+                m = message[2]
+                self.log(f"trainer: round {m['round']}: loss {m['loss']:.4f}, top-1 {m['top1_agreement']:.3f}, "
+                         f"{m['samples_used']} samples, {m['seconds']:.1f}s; sent to {self.servers} servers")
+            elif message[0] == "ready":
+                self.log("trainer: ready")
+            else:
+                self.log(f"trainer: error: {message[1]}")
+
+    def close(self) -> None:
+        self.stopped = True
+        sock = getattr(getattr(self.listener, "_listener", None), "_socket", None)
+        try:  # wake the accept() in progress (a plain close waits for it to return)
+            if sock is not None:
+                sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.listener.close()
+        with self.lock:
+            for conn in self.conns.values():
+                hang_up(conn)
+            self.conns.clear()
+
+
+def serve(config: CotrainConfig, address: str, authkey: bytes,
+          log: Callable[[str], None] = print) -> int:
+    """Run a trainer until its co-training process ends (or Ctrl-C); the process exit code."""
+    config.check()
+    host, port = parse_address(address)
+    ctx = multiprocessing.get_context("spawn")
+    inbox = ctx.Queue(maxsize=max(2 * config.samples_per_round, 64))
+    outbox = ctx.Queue()
+    listener = Listener((host, port), authkey=authkey)
+    process = ctx.Process(target=cotrain_main, args=(config, inbox, outbox), name="sglang-rl-drafter-trainer",
+                          daemon=True)
+    process.start()
+    hub = TrainerHub(listener, inbox, outbox, log=log).start()
+    log(f"trainer: listening on {host}:{listener.address[1]}, {config.samples_per_round} samples per round")
+    try:
+        while process.is_alive():
+            process.join(timeout=1.0)
+    except KeyboardInterrupt:
+        process.kill()
+        process.join()
+    time.sleep(0.5)  # the broadcast thread forwards the process's last message (an error)
+    hub.close()
+    return 0 if process.exitcode in (0, -9) else 1
+
+
+def flush_log(line: str) -> None:
+    print(line, flush=True, file=sys.stdout)
