@@ -66,7 +66,7 @@ def main() -> int:
     parser.add_argument("--offset", type=int, default=300, help="first GSM8K prompt")
     parser.add_argument("--max-tokens", type=int, default=192)
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
-    parser.add_argument("--min-eos-prob", type=float, default=0.02, help="the server's bound")
+    parser.add_argument("--min-eos-prob", type=float, default=0.001, help="the server's bound")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     import torch

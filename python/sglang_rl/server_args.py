@@ -46,8 +46,9 @@ class RLServerArgs(ServerArgs):
     toploc_verification_min_eos_prob: A[
         float,
         "sglang-rl: a verified response that ends on an EOS / stop token must have given it at least this "
-        "probability at that position, else its verdict is fail (0 turns the check off).",
-    ] = 0.02
+        "probability at that position, else its verdict is fail (0 turns the check off; 0.02, GRAIL's "
+        "bound, suits greedy work).",
+    ] = 0.001
     toploc_verification_calibration: A[
         Optional[str],
         "sglang-rl: calibration file of the served model (written by sglang-rl calibrate): "

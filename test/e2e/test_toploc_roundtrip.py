@@ -159,17 +159,9 @@ def test_pass_rate_is_recorded(roundtrips) -> None:
     assert len(roundtrips) >= 50 and len(results) >= 90
 
 
-def _sampled_eos_below_bound(r: dict) -> bool:
-    """A sampled response that ended on an EOS the model gave less than the bound: the only
-    failure an honest sample may have (the termination check, docs/verification.md)."""
-    rep = r["report"]
-    return not r["greedy"] and rep.get("termination_verified") is False and len(rep.get("verdict_reasons", [])) == 1
-
-
 def test_exact_token_form_round_trips_verify(roundtrips) -> None:
     results = _results(roundtrips, "tokens")
-    failures = [_failure(r) for r in results
-                if r["report"].get("verified") is not True and not _sampled_eos_below_bound(r)]
+    failures = [_failure(r) for r in results if r["report"].get("verified") is not True]
     assert not failures, f"{len(failures)} of {len(results)} honest exact-token verifications failed: {failures}"
 
 

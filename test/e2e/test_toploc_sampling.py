@@ -36,18 +36,12 @@ def _worker_z(reports: list[dict]) -> float:
     return combined_z([r["sampling_z"] for r in reports], [r["sampling_checked"] for r in reports])
 
 
-def _passed(r: dict) -> bool:
-    """Verified, or failed only by the termination check (an honest temperature-1 sample ends on
-    an EOS below its bound now and then: docs/verification.md, Measured)."""
-    return r["verified"] or (r["termination_verified"] is False and len(r["verdict_reasons"]) == 1)
-
-
 def test_honest_temperature_1_samples_pass(toploc_server, prompts) -> None:
     reports = _checked(toploc_server.url, prompts, 1.0)
-    assert all(_passed(r) and r["sampling_consistent"] for r in reports), [r["sampling_z"] for r in reports]
+    assert all(r["verified"] and r["sampling_consistent"] for r in reports), [r["sampling_z"] for r in reports]
     assert abs(_worker_z(reports)) < 4.0
     completions = _checked(toploc_server.url, prompts[:2], 1.0, via="completions")
-    assert all(_passed(r) for r in completions)
+    assert all(r["verified"] for r in completions)
 
 
 @pytest.mark.parametrize("temperature,sign", [(0.0, -1), (1.6, 1)])

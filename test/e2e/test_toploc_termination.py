@@ -67,7 +67,7 @@ def test_honest_eos_answers_pass_with_their_eos_probability(toploc_server, answe
         assert rep["verdict"] == "pass" and rep["verified"] is True and rep["verdict_reasons"] == [], rep
         assert rep["ends_on_eos"] is True and rep["response_last_token"] == sample["output_ids"][-1]
         assert 0.02 <= rep["eos_prob"] <= 1.0 and rep["termination_verified"] is True
-        assert rep["min_eos_prob"] == 0.02 and rep["max_new_tokens"] == MAX_TOKENS
+        assert rep["min_eos_prob"] == 0.001 and rep["max_new_tokens"] == MAX_TOKENS
         assert rep["fingerprint_verdict"] == "pass" and rep["fail_thresholds"]["max_exp_mismatches"] == 76
     record("termination_honest_eos", eos_prob=[round(r["eos_prob"], 4) for r in reports])
 
@@ -87,7 +87,7 @@ def test_a_forced_early_stop_is_caught(toploc_server, answers, hf_model) -> None
     reports = pmap(lambda c: verify(toploc_server.url, c[0][0] + c[0][1], c[1]), list(zip(cases, fps)), workers=3)
     for rep in reports:
         assert rep["fingerprint_verdict"] == "pass", rep  # the forged fingerprint itself is sound
-        assert rep["ends_on_eos"] is True and rep["eos_prob"] < 0.02, rep
+        assert rep["ends_on_eos"] is True and rep["eos_prob"] < 0.001, rep
         assert rep["verdict"] == "fail" and rep["verified"] is False and rep["termination_verified"] is False
         assert any("probability" in reason for reason in rep["verdict_reasons"]), rep
     record("termination_forced_stop", caught=len(reports), total=len(cases),
