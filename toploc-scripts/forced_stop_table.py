@@ -12,33 +12,26 @@ the model gives EOS at least the bound (where a cheat choosing its cut would pas
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import random
 import statistics
 import sys
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+
+from table_common import post_generate, table_parser
 
 RESULT = "toploc_verification_fingerprint_validation_result"
 LIMIT = "toploc_verification_max_new_tokens"
 
 
-def _post(url: str, body: dict) -> dict:
-    request = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=1800) as response:
-        return json.loads(response.read())
-
-
 def generate(url: str, prompt: list[int], temperature: float, max_tokens: int) -> dict:
-    return _post(url, {"input_ids": prompt, "return_input_ids": True, "return_output_ids": True,
+    return post_generate(url, {"input_ids": prompt, "return_input_ids": True, "return_output_ids": True,
                        "sampling_params": {"max_new_tokens": max_tokens, "temperature": temperature}})["meta_info"]
 
 
 def verify(url: str, ids: list[int], fingerprint: str, max_tokens: int) -> dict:
-    out = _post(url, {"input_ids": ids, "sampling_params": {"max_new_tokens": 0},
+    out = post_generate(url, {"input_ids": ids, "sampling_params": {"max_new_tokens": 0},
                       "toploc_verification_fingerprint_to_validate": fingerprint, LIMIT: max_tokens})
     return json.loads(out["meta_info"][RESULT])
 
@@ -59,13 +52,7 @@ def forge(model, prompt: list[int], output: list[int]) -> tuple[str, list[float]
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--server", required=True, help="server URL")
-    parser.add_argument("--model-path", required=True, help="model folder (the server's model)")
-    parser.add_argument("--prompts", type=int, default=32)
-    parser.add_argument("--offset", type=int, default=300, help="first GSM8K prompt")
-    parser.add_argument("--max-tokens", type=int, default=192)
-    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    parser = table_parser(__doc__, 32, 300, 192, [0.0, 1.0], "model folder (the server's model)")
     parser.add_argument("--min-eos-prob", type=float, default=0.001, help="the server's bound")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()

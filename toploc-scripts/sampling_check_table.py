@@ -11,39 +11,26 @@ moves Z.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+
+from table_common import post_generate, table_parser
 
 RESULT = "toploc_verification_fingerprint_validation_result"
 
 
-def _post(url: str, body: dict) -> dict:
-    request = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=1800) as response:
-        return json.loads(response.read())
-
-
 def check(url: str, prompt: list[int], temperature: float, max_tokens: int) -> dict:
-    meta = _post(url, {"input_ids": prompt, "return_input_ids": True, "return_output_ids": True,
+    meta = post_generate(url, {"input_ids": prompt, "return_input_ids": True, "return_output_ids": True,
                        "sampling_params": {"max_new_tokens": max_tokens, "temperature": temperature}})["meta_info"]
-    out = _post(url, {"input_ids": meta["input_ids"] + meta["output_ids"], "sampling_params": {"max_new_tokens": 0},
+    out = post_generate(url, {"input_ids": meta["input_ids"] + meta["output_ids"], "sampling_params": {"max_new_tokens": 0},
                       "toploc_verification_fingerprint_to_validate": meta["toploc_verification_fingerprints"][-1],
                       "toploc_verification_expect_sampled": True})
     return json.loads(out["meta_info"][RESULT])
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--server", required=True, help="server URL")
-    parser.add_argument("--model-path", required=True, help="model folder (tokenizer and chat template)")
-    parser.add_argument("--prompts", type=int, default=24)
-    parser.add_argument("--offset", type=int, default=200, help="first GSM8K prompt")
-    parser.add_argument("--max-tokens", type=int, default=96)
-    parser.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.7, 0.0, 1.3])
+    parser = table_parser(__doc__, 24, 200, 96, [1.0, 0.7, 0.0, 1.3], "model folder (tokenizer and chat template)")
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
