@@ -20,7 +20,7 @@ from hidden_states_fixtures import hf, hs_noradix_server, hs_server, refusal_ser
 toploc_server = server_fixture(
     Spec("toploc", ("--toploc-verification", "--enable-metrics", "--log-level", "info")),
     doc="The main test server: --toploc-verification, radix cache on, default chunked prefill; "
-        "sglang's --enable-metrics and INFO logs (test_toploc_metrics reads both).")
+        "sglang's --enable-metrics and INFO logs (test_toploc_metrics_endpoint reads both).")
 
 plain_server = server_fixture(
     Spec("plain"),
