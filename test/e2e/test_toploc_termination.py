@@ -84,7 +84,8 @@ def test_a_forced_early_stop_is_caught(toploc_server, answers, hf_model) -> None
             if len(forced) >= 2:
                 cases.append((s["input_ids"], forced))
     fps = [forged(hf_model, ids, out)[0] for ids, out in cases]
-    reports = pmap(lambda c: verify(toploc_server.url, c[0][0] + c[0][1], c[1]), list(zip(cases, fps)), workers=3)
+    reports = pmap(lambda c: verify(toploc_server.url, c[0][0] + c[0][1], c[1], **{LIMIT_FIELD: MAX_TOKENS}),
+                   list(zip(cases, fps)), workers=3)
     for rep in reports:
         assert rep["fingerprint_verdict"] == "pass", rep  # the forged fingerprint itself is sound
         assert rep["ends_on_eos"] is True and rep["eos_prob"] < 0.001, rep

@@ -57,9 +57,10 @@ def _report(n: int = 10, ends: bool | None = True, limit: int | None = None, bou
 
 
 @pytest.mark.parametrize("case, logprob, ok, reason", [
-    (dict(), math.log(0.3), True, None),
-    (dict(), math.log(0.01), False, "probability 0.01 there, below 0.02"),
-    (dict(bound=0.0), math.log(0.01), None, None),                     # the check is off
+    (dict(limit=64), math.log(0.3), True, None),
+    (dict(limit=64), math.log(0.01), False, "probability 0.01 there, below 0.02"),
+    (dict(bound=0.0, limit=64), math.log(0.01), None, None),           # the check is off
+    (dict(), math.log(0.01), None, None),                              # no stated limit (a grammar's end)
     (dict(limit=10), math.log(1e-6), True, None),                      # the limit explains the end
     (dict(limit=12), math.log(1e-6), False, "below 0.02"),
     (dict(ends=False, limit=10), None, True, None),
@@ -67,7 +68,7 @@ def _report(n: int = 10, ends: bool | None = True, limit: int | None = None, bou
     (dict(ends=False), None, None, None),                              # nothing to check against
     (dict(ends=None, limit=64), None, None, None),                     # chat form: EOS outside the prefill
     (dict(n=70, ends=False, limit=64), None, False, "more than its max_new_tokens 64"),
-    (dict(), -math.inf, False, "probability 0 there"),
+    (dict(limit=64), -math.inf, False, "probability 0 there"),
 ])
 def test_termination_rule(case: dict, logprob: float | None, ok: bool | None, reason: str | None) -> None:
     report = _report(**case)
@@ -88,7 +89,7 @@ def test_the_eos_log_prob_is_the_last_prefill_entry_of_that_token() -> None:
 
 def test_the_verdict_is_the_worst_band_and_verified_means_pass() -> None:
     meta = {"input_token_logprobs": [[math.log(0.5), 2, None]]}
-    base = {**_report(), "fingerprint_verified": True, "fingerprint_verdict": PASS}
+    base = {**_report(limit=64), "fingerprint_verified": True, "fingerprint_verdict": PASS}
     out = complete_verdict(dict(base), meta)
     assert (out["verdict"], out["verified"], out["verdict_reasons"]) == (PASS, True, [])
     suspect = complete_verdict({**base, "fingerprint_verified": False, "fingerprint_verdict": SUSPECT,

@@ -1,10 +1,12 @@
 """The termination check of a verified response: did it end where the model would let it end?
 
-A response that ends on an EOS / stop token must have given that token at least ``min_eos_prob``
-at its position under the verifier (a worker that cuts a response short and appends EOS puts it
-where the model rarely would); one that ends without it must have used up the generation's
-``max_new_tokens``, when the verification request states that limit. The probability is the
-exponential of the last response token's log-prob, from the prefill's own log-probs.
+It runs when the verification request states the generation's limit (``max_new_tokens``): a
+response that ends on an EOS / stop token must have given that token at least ``min_eos_prob`` at
+its position under the verifier (a worker that cuts a response short and appends EOS puts it where
+the model rarely would); one that ends without it must have used up that limit. Without the limit
+nothing is checked: a constrained generation (a grammar) ends where the grammar does, not where the
+model would. The probability is the exponential of the last response token's log-prob, from the
+prefill's own log-probs.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ def check_termination(report: Mapping[str, Any], eos_logprob: Optional[float]
         ok, reason = False, f"the response has {n} tokens, more than its max_new_tokens {limit}"
     elif limit is not None and n == limit:
         ok = True
-    elif ends and "eos_prob" in fields and bound > 0:
+    elif ends and "eos_prob" in fields and bound > 0 and limit is not None:
         ok = fields["eos_prob"] >= bound
         if not ok:
             reason = (f"the response ends on stop token {report.get('response_last_token')}, which the model gave "
