@@ -48,7 +48,7 @@ def test_honest_temperature_1_samples_pass(toploc_server, prompts) -> None:
 def test_other_temperatures_fail_at_the_worker_level(toploc_server, prompts, temperature, sign) -> None:
     reports = _checked(toploc_server.url, prompts, temperature)
     assert sign * _worker_z(reports) > 4.0, [r["sampling_z"] for r in reports]
-    assert all(r["verified"] == (r["sampling_consistent"] and r["termination_verified"] is not False) for r in reports)
+    assert all((r["verified"] == r["sampling_consistent"]) for r in reports)
 
 
 def test_greedy_and_sampled_expectations_exclude_each_other(toploc_server, prompts) -> None:
