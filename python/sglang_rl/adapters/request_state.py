@@ -37,6 +37,8 @@ class RequestState:
     """Drafter co-training: the rows of a rollout that feeds the trainer."""
     cotrain_counted: bool = False
     """Drafter co-training: the finished rollout was counted once."""
+    seeded_sampling_seed: Optional[int] = None
+    """Seeded sampling: the sampling_seed of a request that asked for it (read once, at Req init)."""
     pending_payload: Optional[dict] = None
     """Fields queued for the next output batch that carries the request (transport.py)."""
 

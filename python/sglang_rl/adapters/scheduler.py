@@ -29,7 +29,7 @@ from sglang_rl.adapters.request_state import (
 )
 from sglang_rl.fingerprint.builder import FingerprintBuilder
 from sglang_rl.fingerprint.row_store import pick_rows
-from sglang_rl.request_options import options_of
+from sglang_rl.request_options import SEEDED_SAMPLING_KEY, options_of
 
 
 def server_capture_mode_after(result: CaptureHiddenMode, server_args: Any) -> CaptureHiddenMode:
@@ -77,6 +77,8 @@ def req_init_after(result: None, req: Any, *args: Any, **kwargs: Any) -> None:
         needed = CaptureHiddenMode.FULL if collector.needs_prompt_rows else CaptureHiddenMode.LAST
         req.return_hidden_states_mode = max(req.return_hidden_states_mode, needed)
         state_of(req).hidden_states = collector
+    if options.get(SEEDED_SAMPLING_KEY):
+        state_of(req).seeded_sampling_seed = getattr(req.sampling_params, "sampling_seed", None)
 
 
 def _row_collectors(req: Any) -> list:

@@ -13,18 +13,17 @@ from typing import Any, Callable, Optional
 import torch
 
 from sglang_rl.fingerprint.seeded_sampling import SamplingClaim, seeded_token
-from sglang_rl.request_options import SEEDED_SAMPLING_KEY, options_of
+from sglang_rl.adapters.request_state import peek
 
 _BATCH = "_sglang_rl_seeded_batch"
 """Attribute on the scheduler's model runner: the batch whose forward is running, while it runs."""
 
 
 def _seed_of(req: Any) -> Optional[int]:
-    """The request's sglang sampling_seed when it asked for seeded sampling, else None."""
-    params = req.sampling_params
-    if not options_of(getattr(params, "custom_params", None)).get(SEEDED_SAMPLING_KEY):
-        return None
-    return getattr(params, "sampling_seed", None)
+    """The request's sglang sampling_seed when it asked for seeded sampling, else None (kept on its
+    state by `scheduler.req_init_after`, so a decode step reads no request options)."""
+    state = peek(req)
+    return None if state is None else state.seeded_sampling_seed
 
 
 def worker_forward_around(original: Callable, worker: Any, batch: Any = None, *args: Any, **kwargs: Any) -> Any:
