@@ -34,9 +34,10 @@ from sglang_rl.adapters.hidden_states import CotrainRows
 from sglang_rl.adapters.request_state import cotrain_rows_of, kcbs_beam_of, kcbs_search_of, peek, state_of
 from sglang_rl.drafter.cotrain import (
     CotrainConfig,
-    cotrain_main,
     from_wire,
+    inbox_size,
     sample_to_wire,
+    start_cotrain_process,
     to_wire,
 )
 from sglang_rl.drafter.trainer_client import RemoteTrainer
@@ -110,22 +111,13 @@ class CotrainRuntime:
     """One scheduler's co-training: the training process, its queues and the statistics."""
 
     def __init__(self, server_args: Any) -> None:
-        import multiprocessing
-
-        ctx = multiprocessing.get_context("spawn")
         self.config = config_from_args(server_args)
         self.window = self.config.window
-        # bounded: when training falls behind the rollouts, new samples are skipped (and counted)
-        # instead of piling up in the scheduler's memory
-        maxsize = max(2 * self.config.samples_per_round, 64)
         if server_args.drafter_cotrain_trainer:  # a shared trainer (sglang-rl drafter trainer)
-            self.process = RemoteTrainer(server_args.drafter_cotrain_trainer, maxsize)
+            self.process = RemoteTrainer(server_args.drafter_cotrain_trainer, inbox_size(self.config))
             self.inbox, self.outbox = self.process.inbox, self.process.outbox
         else:
-            self.inbox, self.outbox = ctx.Queue(maxsize=maxsize), ctx.Queue()
-            self.process = ctx.Process(target=cotrain_main, args=(self.config, self.inbox, self.outbox),
-                                       name="sglang-rl-drafter-cotrain", daemon=True)
-            self.process.start()
+            self.process, self.inbox, self.outbox = start_cotrain_process(self.config, "sglang-rl-drafter-cotrain")
         self.policy_version = 0
         # a run of target updates with no rollout between them is one RL step; the first run
         # (verl's initial push) starts version 1

@@ -33,8 +33,8 @@ from sglang_rl.drafter.schedule import LrSchedule
 from sglang_rl.drafter.trainer import DrafterTrainer
 from sglang_rl.drafter.buffer import HiddenStateReplayBuffer
 
-__all__ = ["CotrainConfig", "CotrainLoop", "RolloutSample", "cotrain_main", "from_wire", "sample_from_wire",
-           "sample_to_wire", "to_wire"]
+__all__ = ["CotrainConfig", "CotrainLoop", "RolloutSample", "cotrain_main", "from_wire", "inbox_size",
+           "sample_from_wire", "sample_to_wire", "start_cotrain_process", "to_wire"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,3 +268,20 @@ def cotrain_main(config: CotrainConfig, inbox: Any, outbox: Any) -> None:
                 loop.fresh = 0
                 continue
             outbox.put(("round", [(name, to_wire(t)) for name, t in weights], metrics))
+
+
+def inbox_size(config: CotrainConfig) -> int:
+    """Bound of a trainer's inbox: when training falls behind the rollouts, new samples are
+    skipped (and counted) instead of piling up in memory."""
+    return max(2 * config.samples_per_round, 64)
+
+
+def start_cotrain_process(config: CotrainConfig, name: str) -> tuple[Any, Any, Any]:
+    """The co-training process (spawned) with its bounded inbox and its outbox."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    inbox, outbox = ctx.Queue(maxsize=inbox_size(config)), ctx.Queue()
+    process = ctx.Process(target=cotrain_main, args=(config, inbox, outbox), name=name, daemon=True)
+    process.start()
+    return process, inbox, outbox

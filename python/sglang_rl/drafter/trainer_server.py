@@ -10,7 +10,6 @@ a server that connects later first gets the newest round. Engine-agnostic: no sg
 from __future__ import annotations
 
 import ipaddress
-import multiprocessing
 import queue
 import socket
 import sys
@@ -19,7 +18,7 @@ import time
 from multiprocessing.connection import Connection, Listener
 from typing import Any, Callable
 
-from sglang_rl.drafter.cotrain import CotrainConfig, cotrain_main
+from sglang_rl.drafter.cotrain import CotrainConfig, start_cotrain_process
 from sglang_rl.drafter.trainer_client import hang_up, parse_address
 
 __all__ = ["TrainerHub", "is_loopback", "serve"]
@@ -154,13 +153,8 @@ def serve(config: CotrainConfig, address: str, authkey: bytes,
     """Run a trainer until its co-training process ends (or Ctrl-C); the process exit code."""
     config.check()
     host, port = parse_address(address)
-    ctx = multiprocessing.get_context("spawn")
-    inbox = ctx.Queue(maxsize=max(2 * config.samples_per_round, 64))
-    outbox = ctx.Queue()
     listener = Listener((host, port), authkey=authkey)
-    process = ctx.Process(target=cotrain_main, args=(config, inbox, outbox), name="sglang-rl-drafter-trainer",
-                          daemon=True)
-    process.start()
+    process, inbox, outbox = start_cotrain_process(config, "sglang-rl-drafter-trainer")
     hub = TrainerHub(listener, inbox, outbox, log=log).start()
     log(f"trainer: listening on {host}:{listener.address[1]}, {config.samples_per_round} samples per round")
     try:
