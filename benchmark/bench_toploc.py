@@ -203,8 +203,40 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict:
         result["shapes"][text] = timed_shape(llm, parse_shape(text), args.timed_runs)
     if mode == "on" and args.replay_total:
         result.update(replays(llm, args))
+    if mode == "on":
+        result["verify_cost"] = [verifier_cost(llm, text) for text in args.verify_cost_shapes]
     llm.shutdown()
     return result
+
+
+def verifier_cost(llm, text: str) -> dict:
+    """One batch of a shape generated, then all its responses verified in one batch with the cache
+    flushed first (a verifier holds none of the generator's KV): the verifier's share of the time."""
+    num, prompt_len, output = parse_shape(text)
+    prompts = random_prompts(num, prompt_len, seed=prompt_len * 11 + num)
+    sp = [{"max_new_tokens": n, "temperature": 0, "ignore_eos": True} for n in output_lengths(num, output)]
+
+    def generate_then_verify() -> tuple[float, float, int, int]:
+        llm.flush_cache()
+        t = time.perf_counter()
+        outs = llm.generate(input_ids=prompts, sampling_params=sp, return_output_ids=True)
+        gen_s = time.perf_counter() - t
+        ids = [p + list(o["output_ids"]) for p, o in zip(prompts, outs)]
+        checks = [{"max_new_tokens": 0, "toploc_verification_fingerprint_to_validate":
+                   o["meta_info"]["toploc_verification_fingerprints"][-1]} for o in outs]
+        llm.flush_cache()
+        t = time.perf_counter()
+        results = llm.generate(input_ids=ids, sampling_params=checks)
+        verify_s = time.perf_counter() - t
+        passed = sum(bool(json.loads(r["meta_info"]["toploc_verification_fingerprint_validation_result"])["verified"])
+                     for r in results)
+        return gen_s, verify_s, sum(len(o["output_ids"]) for o in outs), passed
+
+    generate_then_verify()  # untimed: graphs, allocator, the first long prefills
+    gen_s, verify_s, tokens, passed = generate_then_verify()
+    return {"shape": text, "generated_tok_per_s": round(tokens / gen_s, 1), "verified_tok_per_s": round(tokens / verify_s, 1),
+            "generate_s": round(gen_s, 2), "verify_s": round(verify_s, 2),
+            "verify_over_generate": round(verify_s / gen_s, 4), "verified": f"{passed}/{num}"}
 
 
 def replays(llm, args: argparse.Namespace) -> dict:
@@ -309,6 +341,9 @@ def main() -> None:
                    "with sglang's torch profiler into this folder")
     p.add_argument("--compare-clone", action="store_true", help="--paired: a third run per pair, on with "
                    "each step's kept rows cloned instead of copied into the row ring")
+    p.add_argument("--verify-cost-shapes", nargs="*", default=[],
+                   help="on mode: per shape, generate one batch, then verify all of it; prints generated "
+                   "vs verified tokens/s (the verifier's share of the time)")
     p.add_argument("--one-mode", help=argparse.SUPPRESS)
     args = p.parse_args() if "--eagle" in sys.argv else parse_with_model(p)
     if args.paired:
@@ -331,6 +366,11 @@ def main() -> None:
     if replay:
         print()
         print_table(replay, ["mode", "replays_passed", "worst_exp_mismatches", "per_batch_size"])
+    cost = [line for r in rows for line in r.get("verify_cost", [])]
+    if cost:
+        print("\nVerifier cost: one batch generated, then verified with the cache flushed")
+        print_table(cost, ["shape", "generated_tok_per_s", "verified_tok_per_s", "generate_s", "verify_s",
+                           "verify_over_generate", "verified"])
 
 
 if __name__ == "__main__":
