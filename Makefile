@@ -6,7 +6,7 @@ STAMP := .venv/.setup-stamp
 
 setup: $(STAMP)
 
-$(STAMP): scripts/setup_cpu.sh requirements/cpu.txt python/pyproject.toml client/pyproject.toml scripts/cpu_shims/* scripts/cpu_shims/sgl_kernel/*
+$(STAMP): scripts/setup_cpu.sh requirements/cpu.txt requirements/verl-gpu.txt requirements/verl-overrides.txt python/pyproject.toml client/pyproject.toml scripts/cpu_shims/* scripts/cpu_shims/sgl_kernel/*
 	bash scripts/setup_cpu.sh
 
 model: setup

@@ -32,4 +32,11 @@ CXX="${CXX:-c++} -include cstddef" "$VENV/bin/python" -c \
 $PIP install -q --no-deps --no-build-isolation -e client
 $PIP install -q --no-deps --no-build-isolation -e python
 "$VENV/bin/python" -c "import sglang, toploc, sglang_rl, sglang_rl_client; print('sglang', sglang.__version__, '| toploc ok | sglang_rl ok | sglang_rl_client ok')"
+# docs/verl.md's GPU route (verl 0.9.1 + sglang 0.5.17 + the plugin, uv's overrides) resolved from PyPI's
+# metadata for test_verl_install.py; a failed resolution leaves only its error, which fails that test
+[ -x "$VENV/uv/bin/uv" ] || $PIP install -q --target "$VENV/uv" uv==0.13.9
+rm -f "$VENV"/verl-resolution.*
+"$VENV/uv/bin/uv" pip compile -q --no-header --python-version 3.11 --python-platform x86_64-manylinux_2_34 \
+  --override requirements/verl-overrides.txt requirements/verl-gpu.txt -o "$VENV/verl-resolution.txt" \
+  2>"$VENV/verl-resolution.err" || true
 touch "$VENV/.setup-stamp"
