@@ -37,6 +37,9 @@ def sglang_kwargs(arm: str, drafter_path: str | None) -> dict:
     kwargs: dict = {"toploc_verification": True, "cuda_graph_backend_prefill": "disabled"}
     if arm in ("eagle", "cotrain"):
         kwargs["speculative_draft_model_path"] = drafter_path
+        # verl's sleep releases the draft's weights too and its wake does not reload them: keep a
+        # host copy, or a fixed drafter accepts nothing after the first sleep (sglang issue #31674)
+        kwargs["enable_draft_weights_cpu_backup"] = True
     if arm == "cotrain":
         kwargs.update(drafter_cotrain=True, drafter_cotrain_samples_per_round=64, drafter_cotrain_steps=4)
     return kwargs

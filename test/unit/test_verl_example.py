@@ -61,6 +61,8 @@ def test_arms_compose_into_verl_config(arm: str) -> None:
     speculative = arm != "plain"
     assert (rollout.mtp is not None and rollout.mtp.enable and rollout.mtp.enable_rollout) == speculative
     assert sglang.get("speculative_draft_model_path") == ("/drafters/d0" if speculative else None)
+    # a fixed drafter must survive verl's sleep and wake (sglang issue #31674)
+    assert sglang.get("enable_draft_weights_cpu_backup", False) == speculative
     assert sglang.get("drafter_cotrain", False) == (arm == "cotrain")
     assert config.trainer.n_gpus_per_node == 2 and config.trainer.total_training_steps == 30
     assert config.trainer.experiment_name == arm
