@@ -145,6 +145,38 @@ def test_cotraining_raises_held_out_acceptance(cotrain_server: Server, toploc_se
     assert rounds_line and float(rounds_line[0].split()[-1]) == trained["rounds"], rounds_line
 
 
+def trainer_process(server: Server):
+    """The server's co-training process: the child its scheduler spawned."""
+    import psutil
+
+    found = [child for proc in psutil.Process(server.proc.pid).children(recursive=True)
+             if " ".join(proc.cmdline()).startswith("sglang::scheduler")
+             for child in proc.children() if "spawn_main" in " ".join(child.cmdline())]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def wait_trainer_idle(server: Server, timeout: float, idle_s: float = 2.0) -> float:
+    """Until the co-training process has trained (used CPU) and then been idle for `idle_s`
+    (waiting on its inbox, its round in the outbox). Returns the CPU seconds it used."""
+    proc = trainer_process(server)
+    used = lambda: sum(proc.cpu_times()[:2])  # noqa: E731 - user + system
+    start = last = used()
+    quiet_since = None
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        time.sleep(0.25)
+        now = used()
+        if now - last > 0.02:
+            quiet_since = None
+        elif now - start > 1.0:
+            quiet_since = quiet_since or time.time()
+            if time.time() - quiet_since >= idle_s:
+                return now - start
+        last = now
+    raise AssertionError(f"the trainer did not finish a round in {timeout:.0f}s ({used() - start:.1f} CPU s)")
+
+
 def test_a_round_waits_while_the_weights_are_released(cotrain_server: Server) -> None:
     """verl's colocated mode releases the weights around each update; a round the trainer finishes
     meanwhile is loaded after the resume, not into the released (on a GPU: unmapped) memory."""
@@ -154,8 +186,9 @@ def test_a_round_waits_while_the_weights_are_released(cotrain_server: Server) ->
         list(pool.map(lambda m: chat(url, m), prompts[200:200 + ROUND]))
     _post_ok(url, "/release_memory_occupation", {"tags": ["kv_cache", "weights"]})
     try:
-        # longer than the rounds so far took: the trainer finishes this one meanwhile
-        time.sleep(2 * max(before["round_seconds"] or [15.0]))
+        # the trainer trains this round meanwhile: until its process has worked and gone idle
+        trained_s = wait_trainer_idle(cotrain_server, timeout=4 * max(before["round_seconds"] or [30.0]) + 60)
+        print(f"\n[cotrain] trainer worked {trained_s:.1f} CPU s while the weights were released", flush=True)
         assert stats(url)["rounds"] == before["rounds"]
     finally:
         _post_ok(url, "/resume_memory_occupation", {"tags": ["weights", "kv_cache"]})
