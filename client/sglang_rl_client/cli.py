@@ -4,10 +4,12 @@
                      [--out FILE] [--concurrency N]
 
 Input: JSON lines, each with ``input_ids``, ``output_ids`` and ``fingerprint`` (or the response's
-``toploc_verification_fingerprints``), optionally ``worker`` and ``max_new_tokens`` (the limit the
-response was generated with, for the termination check); any other keys are carried to the
-output. Worker records count each worker's verdict bands (pass, suspect, fail). Output (``--out``, else stdout): JSON lines, one ``{"type": "response", ...}`` per input
-line in input order, then one ``{"type": "worker", ...}`` per worker and a ``{"type":
+``toploc_verification_fingerprints``), optionally ``worker``, ``max_new_tokens`` (the limit the
+response was generated with, for the termination check) and ``seeded_sampling`` (the claimed
+``seed``, ``temperature``, ``top_p``, ``top_k``, ``min_p`` of a response generated with the seeded
+sampler: every token is then recomputed); any other keys are carried to the output. Worker
+records count each worker's verdict bands (pass, suspect, fail). Output (``--out``, else
+stdout): JSON lines, one ``{"type": "response", ...}`` per input line in input order, then one ``{"type": "worker", ...}`` per worker and a ``{"type":
 "summary", ...}``. A line that cannot be checked (not JSON, a key missing, a malformed
 fingerprint, a server that refuses it, answers 5xx or does not answer after the retries) gets
 ``status: "error"`` and a one-line ``error``; the run goes on.

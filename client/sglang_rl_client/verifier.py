@@ -30,11 +30,15 @@ FINGERPRINT_TO_VALIDATE = "toploc_verification_fingerprint_to_validate"
 EXPECT_GREEDY = "toploc_verification_expect_greedy"
 EXPECT_SAMPLED = "toploc_verification_expect_sampled"
 MAX_NEW_TOKENS = "toploc_verification_max_new_tokens"
+EXPECT_SEEDED = "toploc_verification_expect_seeded"
+# what a seeded claim may state, in sglang's sampling_params names (`seed` is sglang's sampling_seed)
+SEEDED_CLAIM_KEYS = ("seed", "temperature", "top_p", "top_k", "min_p")
 RESULT_FIELD = "toploc_verification_fingerprint_validation_result"
 GENERATE_ENDPOINT = "/generate"
 
 VERIFIED, FAILED, ERROR = "verified", "failed", "error"
-RESERVED_KEYS = ("input_ids", "output_ids", "fingerprint", FINGERPRINTS_FIELD, "worker", "max_new_tokens")
+RESERVED_KEYS = ("input_ids", "output_ids", "fingerprint", FINGERPRINTS_FIELD, "worker", "max_new_tokens",
+                 "seeded_sampling")
 """The keys of a rollout record that ``Rollout.from_dict`` reads; the others are the caller's."""
 
 
@@ -59,7 +63,9 @@ class Rollout:
     chosen (argmax at temperature 0, or the sampling test at temperature 1). ``max_new_tokens``
     is the limit it was generated with: a response that ends without EOS must have reached it
     (the termination check). ``worker`` names who generated it (for worker verdicts) and ``data``
-    is the caller's, carried to the outcome.
+    is the caller's, carried to the outcome. ``seeded_sampling`` is the sampling a response
+    generated with the seeded sampler claims (``seed`` and, as sglang names them, ``temperature``,
+    ``top_p``, ``top_k``, ``min_p``): the verifier then recomputes every token (expect_seeded).
     """
 
     input_ids: Sequence[int]
@@ -70,12 +76,13 @@ class Rollout:
     expect_sampled: bool = False
     data: Mapping[str, Any] = field(default_factory=dict)
     max_new_tokens: Optional[int] = None
+    seeded_sampling: Optional[Mapping[str, Any]] = None
 
     @classmethod
     def from_dict(cls, record: Mapping[str, Any], worker: Optional[str] = None, **expect: bool) -> Rollout:
         """A rollout from a record with ``input_ids``, ``output_ids`` and ``fingerprint`` (or the
-        response field ``toploc_verification_fingerprints``), optionally ``worker`` and
-        ``max_new_tokens``; the other keys become ``data``. Raises RolloutError naming what is
+        response field ``toploc_verification_fingerprints``), optionally ``worker``,
+        ``max_new_tokens`` and ``seeded_sampling``; the other keys become ``data``. Raises RolloutError naming what is
         missing."""
         if not isinstance(record, Mapping):
             raise RolloutError(f"expected a JSON object, got {type(record).__name__}")
@@ -90,7 +97,8 @@ class Rollout:
         kept = {k: v for k, v in record.items() if k not in RESERVED_KEYS}
         return cls(record["input_ids"], record["output_ids"], fingerprint,
                    worker=None if name is None else str(name), data=kept,
-                   max_new_tokens=record.get("max_new_tokens"), **expect)
+                   max_new_tokens=record.get("max_new_tokens"), seeded_sampling=record.get("seeded_sampling"),
+                   **expect)
 
     def check(self) -> None:
         """Refuse locally what the verifier would refuse: ids that are not token ids, a malformed
@@ -112,6 +120,22 @@ class Rollout:
         limit = self.max_new_tokens
         if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
             raise RolloutError(f"max_new_tokens must be a positive integer, got {limit!r}")
+        if self.seeded_sampling is not None:
+            self._check_seeded_claim()
+
+    def _check_seeded_claim(self) -> None:
+        claim = self.seeded_sampling
+        if not isinstance(claim, Mapping):
+            raise RolloutError(f"seeded_sampling must be an object, got {type(claim).__name__}")
+        unknown = sorted(set(claim) - set(SEEDED_CLAIM_KEYS))
+        if unknown:
+            raise RolloutError(f"seeded_sampling has unknown key(s) {', '.join(unknown)} "
+                               f"(known: {', '.join(SEEDED_CLAIM_KEYS)})")
+        seed = claim.get("seed")
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise RolloutError(f"seeded_sampling needs an integer seed, got {seed!r}")
+        if self.expect_greedy or self.expect_sampled:
+            raise RolloutError("seeded_sampling excludes expect_greedy and expect_sampled")
 
     def sampling_params(self) -> dict[str, Any]:
         """The item's sampling parameters in a verification request."""
@@ -122,6 +146,10 @@ class Rollout:
             params[EXPECT_SAMPLED] = True
         if self.max_new_tokens is not None:
             params[MAX_NEW_TOKENS] = self.max_new_tokens
+        if self.seeded_sampling is not None:
+            params[EXPECT_SEEDED] = True
+            for key, value in self.seeded_sampling.items():
+                params["sampling_seed" if key == "seed" else key] = value
         return params
 
 

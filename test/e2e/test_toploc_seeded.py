@@ -5,6 +5,9 @@ a seeded draw does not depend on the batch it ran in; requests without the field
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -86,6 +89,30 @@ def test_other_claims_fail(toploc_server, samples, claim, within) -> None:
         if bad:
             assert report["verdict"] == "fail"
             assert any("expect_seeded" in reason for reason in report["verdict_reasons"]), report
+
+
+def test_sglang_rl_verify_checks_seeded_claims(toploc_server, samples, tmp_path: Path) -> None:
+    """The client's command sends a record's `seeded_sampling` claim: the honest worker's claims
+    verify, a worker that claims temperature 1.0 for the same responses fails on every one."""
+    honest = {"seed": SEED, **HONEST}
+    lines = [{"input_ids": s["prompt"], "output_ids": s["output_ids"], "worker": worker,
+              "fingerprint": s["meta"]["toploc_verification_fingerprints"][-1],
+              "seeded_sampling": claim}
+             for worker, claim in (("honest", honest), ("liar", {**honest, "temperature": 1.0}))
+             for s in samples[:3]]
+    path, out = tmp_path / "rollouts.jsonl", tmp_path / "results.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    run = subprocess.run([str(Path(sys.executable).parent / "sglang-rl-verify"), str(path), "--server",
+                          toploc_server.url, "--out", str(out), "--no-progress"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 1, run.stderr
+    records = [json.loads(x) for x in out.read_text().splitlines()]
+    responses = [r for r in records if r["type"] == "response"]
+    assert [r["status"] for r in responses] == ["verified"] * 3 + ["failed"] * 3, \
+        [r.get("result", {}).get("verdict_reasons") or r.get("error") for r in responses]
+    assert all(r["result"]["expect_seeded"] and r["result"]["seeded_checked"] > 0 for r in responses)
+    assert {r["worker"]: r["verdict"] for r in records if r["type"] == "worker"} == {"honest": "verified",
+                                                                                      "liar": "failed"}
 
 
 def test_a_seeded_draw_does_not_depend_on_its_batch(toploc_server, prompts, samples) -> None:

@@ -175,6 +175,30 @@ def test_expectations_travel_per_item(verifier: FakeVerifier) -> None:
         {"max_new_tokens": 0, "toploc_verification_expect_sampled": True}]
 
 
+def test_a_seeded_claim_travels_as_sglangs_sampling_fields(verifier: FakeVerifier) -> None:
+    line = {**rollout_line(HONEST), "seeded_sampling": {"seed": 7, "temperature": 0.7, "top_p": 0.9}}
+    rollout = Rollout.from_dict(line)
+    assert "seeded_sampling" not in rollout.data
+    list(VerifierClient(verifier.url).verify_many([rollout]))
+    assert verifier.requests[0]["sampling_params"] == {
+        "max_new_tokens": 0, "toploc_verification_expect_seeded": True, "sampling_seed": 7,
+        "temperature": 0.7, "top_p": 0.9}
+
+
+@pytest.mark.parametrize("claim,expect,reason", [
+    ({"temperature": 0.7}, {}, "seeded_sampling needs an integer seed, got None"),
+    ({"seed": "7"}, {}, "seeded_sampling needs an integer seed, got '7'"),
+    ({"seed": 7, "topp": 0.9}, {}, "seeded_sampling has unknown key(s) topp"),
+    ([7], {}, "seeded_sampling must be an object, got list"),
+    ({"seed": 7}, {"expect_greedy": True}, "seeded_sampling excludes expect_greedy and expect_sampled"),
+])
+def test_bad_seeded_claims_are_refused_locally(verifier: FakeVerifier, claim, expect, reason) -> None:
+    rollout = Rollout.from_dict({**rollout_line(HONEST), "seeded_sampling": claim}, **expect)
+    [outcome] = list(VerifierClient(verifier.url).verify_many([rollout]))
+    assert outcome.status == "error" and reason in outcome.error, outcome.error
+    assert verifier.requests == []
+
+
 def test_5xx_is_retried_with_backoff_then_succeeds(verifier: FakeVerifier) -> None:
     verifier.fail_next = 2
     slept: list[float] = []
