@@ -87,6 +87,8 @@ def engine_for(args: argparse.Namespace, toploc: bool):
         kw = engine_kwargs(args.model_path, args.dummy, not args.cpu)
     if args.disable_cuda_graph:
         kw["disable_cuda_graph"] = True
+    if args.attention_backend:
+        kw["attention_backend"] = args.attention_backend
     if args.cuda_graph_max_bs:
         kw["cuda_graph_max_bs_decode"] = args.cuda_graph_max_bs
     return sgl.Engine(**kw, toploc_verification=toploc)
@@ -341,6 +343,7 @@ def main() -> None:
                    "with sglang's torch profiler into this folder")
     p.add_argument("--compare-clone", action="store_true", help="--paired: a third run per pair, on with "
                    "each step's kept rows cloned instead of copied into the row ring")
+    p.add_argument("--attention-backend", help="sglang's attention backend on a GPU (default: triton)")
     p.add_argument("--verify-cost-shapes", nargs="*", default=[],
                    help="on mode: per shape, generate one batch, then verify all of it; prints generated "
                    "vs verified tokens/s (the verifier's share of the time)")
