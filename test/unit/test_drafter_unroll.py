@@ -138,9 +138,10 @@ def test_unrolled_training_lowers_later_chain_steps_error_on_held_out_rollouts()
     train, held = contracting_rollouts(6, seed=1), contracting_rollouts(4, seed=2)
     value_only = EagleLossConfig(prob_weight=0.0)
     results = {}
+    # three[2] / one[2] after 60, 100, 120, 200 steps: 0.86, 0.75, 0.72, 0.70 (one[2] / one[0]: 1.6-1.9)
     for unroll in (1, 3):
         trainer = DrafterTrainer(tiny_drafter(seed=3), lr=1e-2, loss=value_only, unroll_steps=unroll)
-        trainer.train_steps(trainer.as_batches(train), 200)
+        trainer.train_steps(trainer.as_batches(train), 120)
         results[unroll] = chain_errors(trainer, held)
     one, three = results[1], results[3]
     assert one[2] > 1.2 * one[0], results  # errors compound under teacher-forced training
