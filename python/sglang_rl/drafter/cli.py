@@ -1,4 +1,5 @@
-"""``sglang-rl drafter init``: write a freshly initialised drafter folder for a target model.
+"""``sglang-rl drafter init``: write a freshly initialised drafter folder for a target model
+(EAGLE-1/2, or EAGLE3 with ``--arch eagle3``).
 ``sglang-rl drafter trainer``: one co-training trainer that several servers share."""
 
 from __future__ import annotations
@@ -18,6 +19,14 @@ def _parser() -> ArgumentParser:
     parser = ArgumentParser(prog="sglang-rl drafter", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     init = sub.add_parser("init", help="write a random-init EAGLE drafter folder for a target model")
+    init.add_argument("--arch", default="eagle", choices=["eagle", "eagle3"],
+                      help="eagle (default): EAGLE-1/2 (--speculative-algorithm EAGLE); "
+                      "eagle3: EAGLE3 (--speculative-algorithm EAGLE3)")
+    init.add_argument("--draft-vocab-size", type=int, default=None,
+                      help="eagle3: rows of the draft's LM head (default: the full vocabulary)")
+    init.add_argument("--token-counts", default=None,
+                      help="eagle3: JSON list of one count per token id; the draft vocabulary is the "
+                      "--draft-vocab-size most frequent ids (without it: the lowest ids)")
     init.add_argument("--model-path", required=True, help="target model folder (config.json + safetensors)")
     init.add_argument("--out", required=True, help="folder to write config.json and model.safetensors to")
     init.add_argument("--seed", type=int, default=0)
@@ -28,7 +37,8 @@ def _parser() -> ArgumentParser:
     init.add_argument(
         "--init", default="passthrough", choices=INIT_SCHEMES,
         help="passthrough (default): starts as h_{t+1} = h_t, so it drafts the last token again; "
-        "normal: N(0, initializer_range) weights",
+        "normal: N(0, initializer_range) weights (eagle3 passthrough: reads the highest aux layer "
+        "through the target's final norm and head)",
     )
     _trainer_parser(sub)
     return parser
@@ -80,11 +90,42 @@ def _trainer(args) -> int:
         return 2
 
 
+def _init_eagle3(args) -> int:
+    import json
+
+    from sglang_rl.drafter.eagle3 import init_eagle3, save_eagle3
+
+    try:
+        counts = None
+        if args.token_counts is not None:
+            with open(args.token_counts) as f:
+                counts = json.load(f)
+            if not isinstance(counts, list) or not all(isinstance(c, (int, float)) for c in counts):
+                raise ValueError(f"{args.token_counts} must hold a JSON list of numbers, one per token id")
+        cfg, tensors = init_eagle3(args.model_path, args.draft_vocab_size, counts, seed=args.seed, init=args.init)
+        if args.dtype != "auto":
+            cfg["dtype"] = cfg["torch_dtype"] = args.dtype
+        out = save_eagle3(args.out, cfg, tensors)
+    except (ValueError, OSError, KeyError) as err:
+        print(f"sglang-rl drafter init: error: {err}", file=sys.stderr)
+        return 2
+    n_params = sum(t.numel() for n, t in tensors.items() if n not in ("d2t", "t2d"))
+    print(f"wrote LlamaForCausalLMEagle3 drafter ({n_params} parameters, draft vocabulary "
+          f"{cfg['draft_vocab_size']}) to {out}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the process exit code."""
     args = _parser().parse_args(argv)
     if args.command == "trainer":
         return _trainer(args)
+    if args.arch == "eagle3":
+        return _init_eagle3(args)
+    if args.draft_vocab_size is not None or args.token_counts is not None:
+        print("sglang-rl drafter init: error: --draft-vocab-size and --token-counts need --arch eagle3",
+              file=sys.stderr)
+        return 2
     try:
         target_dtype = DrafterConfig.from_dir(args.model_path).dtype
         model = init_drafter(args.model_path, seed=args.seed, init=args.init)
