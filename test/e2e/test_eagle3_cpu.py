@@ -1,0 +1,102 @@
+"""EAGLE3 speculative decoding on the CPU test server with a drafter from `sglang-rl drafter init
+--arch eagle3` (SmolLM2 target, float32).
+
+The drafter's vocabulary is 4096 target ids: the ids of a few texts first (by count), then the
+lowest ids, so " hello" sits at a draft id far from its target id and reaches the target only
+through the folder's d2t mapping. The test then sets the weights so that the draft always proposes
+" hello" (its LM head is zero except the " hello" row, which reads a coordinate the MLP makes
+positive: z * silu(z) >= 0), so on a prompt whose continuation repeats "hello" chains of drafts
+are accepted, and a wrong mapping would propose another token and have every draft rejected.
+
+The target decides every token: greedy output ids with EAGLE3 equal those of the plain server.
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from e2e_servers import EAGER, Prepared, Server, Spec, server_fixture
+from hidden_states_fixtures import generate
+
+STEPS = 3
+DRAFT_VOCAB = 4096
+REPEATING = "Repeat the word hello ten times: hello hello hello"
+PROMPTS = [
+    REPEATING,
+    "The capital of France is",
+    "def fib(n):\n    if n < 2:\n        return n\n",
+    "Write a haiku about the sea.",
+]
+MAX_NEW = 24
+
+
+def _eagle3_drafter(model_path: str, workdir: Path) -> Prepared:
+    from transformers import AutoTokenizer
+
+    from sglang_rl.drafter.cli import main
+    from sglang_rl.drafter.config import DrafterConfig
+
+    vocab = DrafterConfig.from_dir(model_path).vocab_size
+    counts = [0] * vocab
+    tok = AutoTokenizer.from_pretrained(model_path)
+    for text in PROMPTS + [" hello Hello Paris. The sea, the waves; return fib(n - 1) + fib(n - 2)"]:
+        for i in tok(text)["input_ids"]:
+            counts[i] += 1
+    (workdir / "counts.json").write_text(json.dumps(counts))
+    out = workdir / "eagle3"
+    rc = main(["init", "--arch", "eagle3", "--model-path", model_path, "--out", str(out), "--init", "normal",
+               "--draft-vocab-size", str(DRAFT_VOCAB), "--token-counts", str(workdir / "counts.json")])
+    assert rc == 0
+    _always_hello(out, tok(" hello", add_special_tokens=False)["input_ids"][0])
+    return Prepared(args=("--speculative-draft-model-path", str(out)), data={"drafter": out})
+
+
+def _always_hello(folder: Path, hello: int) -> None:
+    """Rewrite the drafter so that its top draft id is always the one of target id ``hello``."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(folder / "model.safetensors"))
+    draft_id = int(torch.nonzero(torch.arange(DRAFT_VOCAB) + weights["d2t"] == hello)[0])
+    assert draft_id != hello  # the mapping matters
+    m = "midlayer."
+    weights["fc.weight"].zero_()  # the layer's residual starts at 0 ...
+    weights[m + "self_attn.o_proj.weight"][0].zero_()  # ... and attention never writes coordinate 0
+    weights[m + "mlp.up_proj.weight"][0] = weights[m + "mlp.gate_proj.weight"][0]  # unit 0: z * silu(z)
+    weights[m + "mlp.down_proj.weight"].zero_()
+    weights[m + "mlp.down_proj.weight"][0, 0] = 1.0  # which only goes to coordinate 0
+    weights["lm_head.weight"].zero_()
+    weights["lm_head.weight"][draft_id, 0] = 1.0
+    save_file(weights, str(folder / "model.safetensors"))
+
+
+EAGLE3 = Spec("eagle3", (
+    "--speculative-algorithm", "EAGLE3", "--speculative-num-steps", str(STEPS),
+    "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(STEPS + 1)),
+    env=EAGER, prepare=_eagle3_drafter)
+eagle3_server = server_fixture(EAGLE3, scope="module",
+                               doc="EAGLE3 with a `drafter init --arch eagle3` folder that always drafts ' hello'.")
+
+
+def _all_at_once(url: str) -> list[dict]:
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        return list(pool.map(lambda prompt: generate(url, prompt, MAX_NEW), PROMPTS))
+
+
+def test_greedy_ids_equal_the_plain_server(eagle3_server: Server, plain_server: Server, tokenizer) -> None:
+    """Prompts sent together: the plain server's ids and finish reasons, every request verified by
+    EAGLE3 steps, and on the repeating prompt drafts (mapped through d2t) accepted."""
+    eagle3, plain = _all_at_once(eagle3_server.url), _all_at_once(plain_server.url)
+    for prompt, got, want in zip(PROMPTS, eagle3, plain):
+        meta = got["meta_info"]
+        assert meta["output_ids"] == want["meta_info"]["output_ids"], prompt
+        assert meta["finish_reason"] == want["meta_info"]["finish_reason"], prompt
+        assert 0 < meta["spec_verify_ct"] <= meta["completion_tokens"], (prompt, meta)
+    repeating = eagle3[0]["meta_info"]
+    hello = tokenizer(" hello", add_special_tokens=False)["input_ids"]
+    assert len(hello) == 1 and hello[0] >= DRAFT_VOCAB  # reached only through d2t
+    assert repeating["output_ids"].count(hello[0]) >= 4, repeating["output_ids"]
+    # each verify step commits its accepted drafts plus one token of the target's own
+    assert repeating["completion_tokens"] - repeating["spec_verify_ct"] >= 3, repeating
