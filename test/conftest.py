@@ -65,13 +65,15 @@ class Server:
             # sglang picks its rendezvous port itself (bind, close, bind later): servers starting
             # together can pick the same one, so each gets its own from this session's ports.
             nccl_port = free_port()
+            # with --dp-size every replica would take the one --nccl-port given: sglang picks theirs
+            rendezvous = () if "--dp-size" in extra else ("--nccl-port", str(nccl_port))
             self.url = f"http://127.0.0.1:{self.port}"
             self.log_path = log_dir / f"{log_name}-{self.port}.log"
             cmd = [
                 sys.executable, "-m", "sglang.launch_server", "--model-path", model,
                 "--device", "cpu", "--attention-backend", "torch_native",
                 "--max-total-tokens", "16384", "--dtype", "float32",
-                "--host", "127.0.0.1", "--port", str(self.port), "--nccl-port", str(nccl_port),
+                "--host", "127.0.0.1", "--port", str(self.port), *rendezvous,
                 "--log-level", "warning", *extra,
             ]
             self._log = open(self.log_path, "w")

@@ -26,7 +26,7 @@ class Hook(NamedTuple):
 def hook_table() -> list[Hook]:
     """All hooks of the plugin (imports are local so that importing this module stays cheap)."""
     from sglang_rl.adapters import api, hidden_states, kcbs, openai, scheduler, speculative
-    from sglang_rl.adapters import cotrain, cotrain_api, drafter_weights, drafter_weights_api
+    from sglang_rl.adapters import cotrain, cotrain_api, cotrain_parallel, drafter_weights, drafter_weights_api
     from sglang_rl.adapters import drafter_save, drafter_save_api
     from sglang_rl.adapters import seeded_sampling, toploc, toploc_metrics
     from sglang_rl.server_args import RLServerArgs
@@ -174,11 +174,17 @@ def hook_table() -> list[Hook]:
              "POST /save_draft_weights and sgl.Engine.save_draft_weights(path)"),
         # --- drafter co-training ---------------------------------------------------------------
         Hook(f"{SRT}.managers.scheduler.Scheduler.__init__", AFTER, cotrain.scheduler_init_after,
-             "--drafter-cotrain: start the co-training process beside the scheduler, which keeps its runtime"),
+             "--drafter-cotrain: start the co-training process (or connect to the trainer) beside the "
+             "scheduler, which keeps its runtime; with TP on every rank, which all load each round"),
+        Hook(f"{SRT}.entrypoints.engine.Engine._launch_subprocesses", BEFORE,
+             cotrain_parallel.launch_subprocesses_before,
+             "--drafter-cotrain with several schedulers (TP/DP): start the server's one trainer hub "
+             "before the schedulers, which connect to it"),
         Hook(f"{SRT}.managers.scheduler.Scheduler._add_request_to_queue", BEFORE, cotrain.add_request_before,
              "the co-training runtime adopts each queued request: its rows, and its count at finish"),
         Hook(f"{SRT}.managers.scheduler.Scheduler.init_request_dispatcher", AFTER,
-             cotrain.request_dispatcher_after, "the scheduler answers the co-training stats request"),
+             cotrain.request_dispatcher_after,
+             "the scheduler answers the co-training stats request, and with TP its rank 0's swap order"),
         Hook(f"{SRT}.managers.scheduler.Scheduler.process_input_requests", BEFORE,
              cotrain.process_input_requests_before,
              "load finished training rounds into the draft between batches, where sglang applies "

@@ -175,11 +175,18 @@ class RLServerArgs(ServerArgs):
                 "--speculative-algorithm EAGLE --speculative-draft-model-path DIR "
                 "(make one with `sglang-rl drafter init --model-path MODEL --out DIR`)"
             )
-        if self.tp_size != 1 or self.dp_size != 1 or self.pp_size != 1:
-            raise ValueError("--drafter-cotrain supports one GPU per server (tp/dp/pp size 1) for now")
+        if self.pp_size != 1 or self.enable_dp_attention:
+            raise ValueError("--drafter-cotrain supports tensor and data parallelism (--tp-size, --dp-size), "
+                             "not pipeline parallelism or --enable-dp-attention")
+        if self.nnodes > 1 and not self.drafter_cotrain_trainer:
+            raise ValueError("--drafter-cotrain on several nodes: start a shared trainer and give every node "
+                             "--drafter-cotrain-trainer HOST:PORT (a server's own trainer listens on loopback)")
         from sglang_rl.adapters.cotrain import config_from_args
+        from sglang_rl.adapters.cotrain_parallel import check_tp_shapes
 
         config_from_args(self)
+        if self.tp_size > 1:
+            check_tp_shapes(self.speculative_draft_model_path, self.tp_size)
         if self.drafter_cotrain_trainer:  # a trainer that does not answer stops the start, with the reason
             from sglang_rl.drafter.trainer_client import check_trainer
 

@@ -30,6 +30,7 @@ from sglang.srt.managers.io_struct import GetWeightsByNameReqInput, GetWeightsBy
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 
 from sglang_rl.adapters.cotrain_metrics import CotrainMetrics
+from sglang_rl.adapters import cotrain_parallel as parallel
 from sglang_rl.adapters.hidden_states import CotrainRows
 from sglang_rl.adapters.request_state import cotrain_rows_of, kcbs_beam_of, kcbs_search_of, peek, state_of
 from sglang_rl.drafter.cotrain import (
@@ -108,13 +109,17 @@ class _Acceptance:
 
 
 class CotrainRuntime:
-    """One scheduler's co-training: the training process, its queues and the statistics."""
+    """One scheduler's co-training: the training process, its queues and the statistics. With
+    tensor parallelism every TP rank has one; only rank 0 (``sends_rows``) sends rollouts."""
 
-    def __init__(self, server_args: Any) -> None:
+    def __init__(self, server_args: Any, tp_rank: int = 0, tp_size: int = 1, dp_rank: int = 0) -> None:
         self.config = config_from_args(server_args)
         self.window = self.config.window
-        if server_args.drafter_cotrain_trainer:  # a shared trainer (sglang-rl drafter trainer)
-            self.process = RemoteTrainer(server_args.drafter_cotrain_trainer, inbox_size(self.config))
+        self.sends_rows, self.tp_size, self.dp_rank = tp_rank == 0, tp_size, dp_rank
+        self.swap: Optional[parallel.TpSwap] = None  # set by scheduler_init_after when tp_size > 1
+        address, authkey = parallel.trainer_address(server_args)
+        if address:  # a shared trainer (sglang-rl drafter trainer) or this server's own hub
+            self.process = RemoteTrainer(address, inbox_size(self.config), authkey)
             self.inbox, self.outbox = self.process.inbox, self.process.outbox
         else:
             self.process, self.inbox, self.outbox = start_cotrain_process(self.config, "sglang-rl-drafter-cotrain")
@@ -135,7 +140,7 @@ class CotrainRuntime:
         self.acceptance = [_Acceptance()]  # index r: requests served by round r's weights
         self.held_out = [_Acceptance()]
         self.saved: Optional[dict] = None  # the last POST /save_draft_weights (adapters/drafter_save.py)
-        self.metrics = CotrainMetrics.create(server_args)
+        self.metrics = CotrainMetrics.create(server_args, dp_rank) if self.sends_rows else CotrainMetrics({})
 
     @property
     def draft_round(self) -> int:
@@ -146,7 +151,7 @@ class CotrainRuntime:
         it opted out (a k-CBS request has none: its output is assembled from its beams, which are
         internal requests and never counted). A retracted request queued again keeps its own."""
         state = state_of(req)
-        if state.cotrain_runtime is not None or kcbs_beam_of(req) is not None:
+        if not self.sends_rows or state.cotrain_runtime is not None or kcbs_beam_of(req) is not None:
             return
         state.cotrain_runtime = self
         options = options_of(getattr(req.sampling_params, "custom_params", None))
@@ -195,7 +200,8 @@ class CotrainRuntime:
         from sglang_rl.adapters.eagle_draft import find_eagle_draft, same_tensor
 
         eagle, _ = find_eagle_draft(getattr(scheduler, "draft_worker", None))
-        if eagle is None:
+        # with TP each rank holds a vocabulary shard of the embedding: the trainer keeps its own
+        if eagle is None or self.tp_size > 1:
             self.head_pending = False
             return
         embed, head = eagle.target_worker.model_runner.model.get_embed_and_head()
@@ -222,17 +228,27 @@ class CotrainRuntime:
                 message = self.outbox.get_nowait()
             except queue.Empty:
                 break
-            kind = message[0]
-            if kind == "ready":
-                self.ready = True
-            elif kind == "error":
-                self.errors.append(message[1][-2000:])
-                logger.error("sglang-rl drafter co-training: %s", message[1])
-            elif kind == "round":
-                self._apply(scheduler, [(name, from_wire(w)) for name, w in message[1]], message[2])
+            self.handle(scheduler, message)
+        if self.swap is not None:
+            self.swap.ask()
         self.metrics.publish(self.stats())
 
-    def _apply(self, scheduler: Any, weights: list, metrics: dict) -> None:
+    def handle(self, scheduler: Any, message: tuple) -> None:
+        """One outbox message; a round is loaded now, or with TP stashed until rank 0's swap order."""
+        kind = message[0]
+        if kind == "ready":
+            self.ready = True
+        elif kind == "error":
+            self.errors.append(message[1][-2000:])
+            logger.error("sglang-rl drafter co-training: %s", message[1])
+        elif kind == "round":
+            weights = [(name, from_wire(w)) for name, w in message[1]]
+            if self.swap is not None:
+                self.swap.received(weights, message[2])
+            else:
+                self.apply(scheduler, weights, message[2])
+
+    def apply(self, scheduler: Any, weights: list, metrics: dict) -> None:
         from sglang_rl.adapters import drafter_weights
 
         start = time.perf_counter()
@@ -242,7 +258,8 @@ class CotrainRuntime:
             self.errors.append(f"round {metrics.get('round')} not applied: {exc}")
             logger.exception("sglang-rl drafter co-training: round not applied")
             return
-        self.rounds.append({**metrics, "applied_seconds": time.perf_counter() - start, "message": message})
+        self.rounds.append({**metrics, "applied_seconds": time.perf_counter() - start, "message": message,
+                            "forward_ct": getattr(scheduler, "forward_ct", None)})
         self.acceptance.append(_Acceptance())
         self.held_out.append(_Acceptance())
 
@@ -250,6 +267,7 @@ class CotrainRuntime:
         """What GET /drafter_cotrain_stats returns (one list entry per round; index 0 is the
         drafter the server started with)."""
         return {
+            "dp_rank": self.dp_rank,
             "rounds": self.draft_round,
             "samples": self.samples,
             "samples_dropped": self.dropped,
@@ -277,6 +295,8 @@ class CotrainRuntime:
         }
 
     def shutdown(self) -> None:
+        if self.swap is not None:
+            self.swap.close()
         if self.process.is_alive():
             self.inbox.put(("stop",))
             self.process.join(timeout=5)
@@ -310,13 +330,21 @@ def count_finished(req: Any) -> None:
 
 
 def scheduler_init_after(result: Any, scheduler: Any, server_args: Any, *args: Any, **kwargs: Any) -> None:
-    """AFTER Scheduler.__init__: start the co-training process (on the rank that streams outputs);
-    the scheduler keeps its runtime."""
+    """AFTER Scheduler.__init__: start the co-training process (one GPU) or connect to the
+    trainer; with TP every rank does (each loads every round), rank 0 alone sends rollouts."""
     if not getattr(server_args, "drafter_cotrain", False) or runtime_of(scheduler) is not None:
         return
-    if getattr(scheduler, "tp_rank", 0) != 0:
-        return
-    setattr(scheduler, ATTR, CotrainRuntime(server_args))
+    ps = scheduler.ps
+    tp_rank, tp_size, dp_rank = ps.tp_rank, ps.tp_size, ps.dp_rank or 0
+    if parallel.needs_hub(server_args) and parallel.trainer_address(server_args)[0] is None:
+        raise RuntimeError("--drafter-cotrain with TP/DP: this launcher started no trainer hub; "
+                           "give --drafter-cotrain-trainer HOST:PORT")
+    if tp_size > 1:
+        parallel.check_tp_agree(scheduler)
+    runtime = CotrainRuntime(server_args, tp_rank, tp_size, dp_rank)
+    if tp_size > 1:
+        runtime.swap = parallel.TpSwap(scheduler, leader=tp_rank == 0)
+    setattr(scheduler, ATTR, runtime)
 
 
 def add_request_before(scheduler: Any, req: Any, *args: Any, **kwargs: Any) -> None:
@@ -334,9 +362,13 @@ class CotrainStatsReqInput(GetWeightsByNameReqInput, kw_only=True):
 def stats_request(scheduler: Any, req: CotrainStatsReqInput) -> GetWeightsByNameReqOutput:
     """The scheduler's answer to the stats request (None on a server that does not co-train)."""
     rt = runtime_of(scheduler)
-    if rt is not None:
-        rt.poll(scheduler)
-    return GetWeightsByNameReqOutput(parameter=rt.stats() if rt is not None else None)
+    if rt is None:
+        return GetWeightsByNameReqOutput(parameter=None)
+    rt.poll(scheduler)
+    stats = rt.stats()
+    if rt.swap is not None:  # every TP rank answers this request in the same iteration
+        stats["tp_ranks"] = parallel.gather_tp_stats(scheduler, rt)
+    return GetWeightsByNameReqOutput(parameter=stats)
 
 
 def request_dispatcher_after(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
@@ -344,8 +376,10 @@ def request_dispatcher_after(result: Any, scheduler: Any, *args: Any, **kwargs: 
     from sglang.srt.managers.io_struct import hook_custom_types
     from sglang.utils import TypeBasedDispatcher
 
-    hook_custom_types(CotrainStatsReqInput)
-    scheduler._request_dispatcher += TypeBasedDispatcher([(CotrainStatsReqInput, partial(stats_request, scheduler))])
+    hook_custom_types(CotrainStatsReqInput, parallel.CotrainSwapReqInput)
+    scheduler._request_dispatcher += TypeBasedDispatcher([
+        (CotrainStatsReqInput, partial(stats_request, scheduler)),
+        (parallel.CotrainSwapReqInput, partial(parallel.swap_request, scheduler))])
 
 
 def process_input_requests_before(scheduler: Any, *args: Any, **kwargs: Any) -> None:

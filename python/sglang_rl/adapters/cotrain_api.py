@@ -9,6 +9,7 @@ from typing import Any, Optional
 from fastapi.responses import ORJSONResponse
 
 from sglang_rl.adapters.cotrain import STATS_NAME, CotrainStatsReqInput
+from sglang_rl.adapters.cotrain_parallel import combine_stats
 
 NOT_ON = "this server was started without --drafter-cotrain"
 
@@ -16,7 +17,8 @@ NOT_ON = "this server was started without --drafter-cotrain"
 async def fetch_stats(tokenizer_manager: Any) -> Optional[dict]:
     """The scheduler's co-training statistics (None on a server without --drafter-cotrain)."""
     tokenizer_manager.auto_create_handle_loop()
-    return await tokenizer_manager.get_weights_by_name(CotrainStatsReqInput(name=STATS_NAME))
+    stats = await tokenizer_manager.get_weights_by_name(CotrainStatsReqInput(name=STATS_NAME))
+    return combine_stats(stats) if isinstance(stats, list) else stats  # a list: one per DP replica
 
 
 async def drafter_cotrain_stats() -> ORJSONResponse:

@@ -10,6 +10,7 @@ a server that connects later first gets the newest round. Engine-agnostic: no sg
 from __future__ import annotations
 
 import ipaddress
+import os
 import queue
 import socket
 import sys
@@ -21,7 +22,7 @@ from typing import Any, Callable
 from sglang_rl.drafter.cotrain import CotrainConfig, start_cotrain_process
 from sglang_rl.drafter.trainer_client import hang_up, parse_address
 
-__all__ = ["TrainerHub", "is_loopback", "serve"]
+__all__ = ["TrainerHub", "hub_main", "is_loopback", "serve"]
 
 # what a server may send; anything else is dropped (the trainer is shared: no one server stops it)
 ACCEPTED = ("sample", "target_head")
@@ -148,24 +149,52 @@ class TrainerHub:
             self.conns.clear()
 
 
-def serve(config: CotrainConfig, address: str, authkey: bytes,
-          log: Callable[[str], None] = print) -> int:
-    """Run a trainer until its co-training process ends (or Ctrl-C); the process exit code."""
+def _start(config: CotrainConfig, host: str, port: int, authkey: bytes,
+           log: Callable[[str], None]) -> tuple[Any, TrainerHub]:
     config.check()
-    host, port = parse_address(address)
     listener = Listener((host, port), authkey=authkey)
     process, inbox, outbox = start_cotrain_process(config, "sglang-rl-drafter-trainer")
-    hub = TrainerHub(listener, inbox, outbox, log=log).start()
-    log(f"trainer: listening on {host}:{listener.address[1]}, {config.samples_per_round} samples per round")
+    return process, TrainerHub(listener, inbox, outbox, log=log).start()
+
+
+def _run(process: Any, hub: TrainerHub, parent: int = 0) -> int:
+    """Until the co-training process ends, Ctrl-C, or (``parent`` set) that process is gone."""
     try:
         while process.is_alive():
             process.join(timeout=1.0)
+            if parent and os.getppid() != parent:  # the server that started this hub was killed
+                process.kill()
     except KeyboardInterrupt:
         process.kill()
         process.join()
     time.sleep(0.5)  # the broadcast thread forwards the process's last message (an error)
     hub.close()
     return 0 if process.exitcode in (0, -9) else 1
+
+
+def serve(config: CotrainConfig, address: str, authkey: bytes,
+          log: Callable[[str], None] = print) -> int:
+    """Run a trainer until its co-training process ends (or Ctrl-C); the process exit code."""
+    host, port = parse_address(address)
+    process, hub = _start(config, host, port, authkey, log)
+    log(f"trainer: listening on {host}:{hub.listener.address[1]}, {config.samples_per_round} samples per round")
+    return _run(process, hub)
+
+
+def hub_main(config: CotrainConfig, authkey: bytes, reply: Connection, parent: int) -> None:
+    """Process entry of a server's own trainer hub (a server with several scheduler processes):
+    listen on a free loopback port, send it through ``reply`` (or the error text), and run until
+    the server process ``parent`` is gone."""
+    import traceback
+
+    try:
+        process, hub = _start(config, "127.0.0.1", 0, authkey, log=lambda line: None)
+    except Exception:  # noqa: BLE001 - the server reports it and refuses to start
+        reply.send(("error", traceback.format_exc()))
+        return
+    reply.send(("port", hub.listener.address[1]))
+    reply.close()
+    _run(process, hub, parent)
 
 
 def flush_log(line: str) -> None:

@@ -1,0 +1,94 @@
+"""Co-training on one CPU server with `--tp-size 2 --dp-size 2` (four schedulers, gloo): one
+trainer for both replicas, rows from TP rank 0 of each, every TP rank swapping in each round at
+the same scheduler iteration, statistics per replica and in total. (Start-up refusals of bad
+parallel options: test/unit/test_cotrain_parallel.py.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import requests
+
+from e2e_servers import EAGER, Prepared, Spec, server_fixture
+from test_drafter_cotrain import init_drafter
+
+ROUND = 4
+FLAGS = ("--tp-size", "2", "--dp-size", "2", "--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3",
+         "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4", "--drafter-cotrain",
+         "--drafter-cotrain-samples-per-round", str(ROUND), "--drafter-cotrain-steps", "3",
+         "--drafter-cotrain-lr", "1e-3", "--drafter-cotrain-soft-topk", "64", "--drafter-cotrain-threads", "1")
+# sglang's CPU backend wants one core list per TP rank
+BIND = {"SGLANG_CPU_OMP_THREADS_BIND": f"0|{min(1, (os.cpu_count() or 1) - 1)}"}
+
+
+def _split_heads(model_path: str, workdir: Path) -> Prepared:
+    """A drafter whose attention splits over 2 ranks: SmolLM2's 9 heads of 64 do not, so the same
+    weights are read as 6 heads of 96 with 2 key/value heads (every tensor keeps its shape)."""
+    draft = init_drafter(model_path, workdir / "d6")
+    config = json.loads((draft / "config.json").read_text())
+    config.update(num_attention_heads=6, num_key_value_heads=2, head_dim=96)
+    (draft / "config.json").write_text(json.dumps(config, indent=2))
+    return Prepared(args=("--speculative-draft-model-path", str(draft)))
+
+
+PARALLEL = Spec("cotrain-tp2-dp2", FLAGS, env={**EAGER, **BIND}, prepare=_split_heads)
+parallel_server = server_fixture(PARALLEL, scope="module", doc="tp 2 x dp 2 co-training server (4 schedulers).")
+
+
+def _stats(url: str) -> dict:
+    got = requests.get(url + "/drafter_cotrain_stats", timeout=60)
+    assert got.status_code == 200, got.text
+    return got.json()
+
+
+def _chat(url: str, i: int) -> dict:
+    got = requests.post(url + "/v1/chat/completions", timeout=120, json={
+        "model": "default", "messages": [{"role": "user", "content": f"Count from {i} to {i + 30}, one number a line."}],
+        "max_tokens": 24, "temperature": 0})
+    assert got.status_code == 200, got.text
+    return got.json()
+
+
+def test_tp_dp_server_cotrains_one_drafter(parallel_server) -> None:
+    url = parallel_server.url
+    start = _stats(url)
+    assert start["dp_size"] == 2 and [r["dp_rank"] for r in start["replicas"]] == [0, 1], start
+    assert start["trainer_alive"] and start["rounds"] == 0, start
+    checks0 = {r["dp_rank"]: [t["fc_checksum"] for t in r["tp_ranks"]] for r in start["replicas"]}
+
+    with ThreadPoolExecutor(4) as pool:  # the DP controller sends requests to both replicas
+        list(pool.map(lambda i: _chat(url, i), range(3 * ROUND)))
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        now = _stats(url)
+        if now["rounds"] >= 1 or now["errors"]:
+            break
+        time.sleep(0.5)
+    assert now["rounds"] >= 1 and not now["errors"], f"no round loaded by every replica: {now}"
+
+    replicas = now["replicas"]
+    assert all(r["samples"] > 0 for r in replicas), "each replica's TP rank 0 sends its rollouts: " + \
+        str([r["samples"] for r in replicas])
+    assert now["samples"] == sum(r["samples"] for r in replicas)
+    tokens = sum(sum(r["acceptance_tokens"]) for r in replicas)
+    assert now["acceptance_tokens_total"] == tokens > 0
+    for r in replicas:
+        ranks = r["tp_ranks"]
+        assert [t["tp_rank"] for t in ranks] == [0, 1], ranks
+        assert all(not t["errors"] for t in ranks), ranks
+        assert ranks[0]["loaded_rounds"] == ranks[1]["loaded_rounds"] != [], \
+            f"replica {r['dp_rank']}: TP ranks loaded different rounds: {ranks}"
+        assert ranks[0]["loaded_at_forward"] == ranks[1]["loaded_at_forward"], \
+            f"replica {r['dp_rank']}: TP ranks swapped at different iterations: {ranks}"
+        assert ranks[0]["fc_checksum"] == ranks[1]["fc_checksum"] != checks0[r["dp_rank"]][0], \
+            f"replica {r['dp_rank']}: TP ranks do not both hold the new round: {ranks} (at start {checks0})"
+    # one trainer: a round has one loss, whichever replica loaded it
+    losses = [dict(zip(r["tp_ranks"][0]["loaded_rounds"], r["loss"])) for r in replicas]
+    common = set(losses[0]) & set(losses[1])
+    assert common and all(losses[0][n] == losses[1][n] for n in common), losses
+    assert max(r["trainer_received"] for r in replicas) >= ROUND
+
