@@ -98,5 +98,7 @@ def test_greedy_ids_equal_the_plain_server(eagle3_server: Server, plain_server: 
     hello = tokenizer(" hello", add_special_tokens=False)["input_ids"]
     assert len(hello) == 1 and hello[0] >= DRAFT_VOCAB  # reached only through d2t
     assert repeating["output_ids"].count(hello[0]) >= 4, repeating["output_ids"]
-    # each verify step commits its accepted drafts plus one token of the target's own
-    assert repeating["completion_tokens"] - repeating["spec_verify_ct"] >= 3, repeating
+    # each verify step commits its accepted drafts plus one token of the target's own (a mapping
+    # that sends the draft id itself accepts 1 of 24 here)
+    accepted = repeating["completion_tokens"] - repeating["spec_verify_ct"]
+    assert accepted >= repeating["completion_tokens"] // 2, (accepted, repeating)
