@@ -298,8 +298,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--topk", type=int, default=128)
     parser.add_argument("--budget", type=float, default=1e-3,
                         help="false-rejection budget per response (default 1e-3)")
-    parser.add_argument("--stats", action="append", default=[],
-                        help="JSON-lines file of pre-measured records to add (e.g. from a GPU run)")
+    parser.add_argument("--stats", action="extend", nargs="+", default=[],
+                        help="JSON-lines files of pre-measured records to add (e.g. from a GPU run); repeatable")
     parser.add_argument("--no-measure", action="store_true", help="use only the --stats records")
     parser.add_argument("--save-stats", help="write all records (measured and read) as JSON lines")
     parser.add_argument("--results", help="write the held-out evaluation (detection, ROC) as JSON")
@@ -315,7 +315,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if not args.no_measure and not (Path(args.model_path) / "config.json").is_file():
         parser.error(f"--model-path {args.model_path}: not a model folder (no config.json)")
-    records = read_records(args.stats)
+    try:
+        records = read_records(args.stats)
+    except (OSError, ValueError) as exc:  # a missing or malformed --stats file: one line, exit 2
+        parser.error(f"--stats: {exc}")
     if not args.no_measure:
         import torch
 
