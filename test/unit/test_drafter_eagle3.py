@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from sglang_rl.drafter import load_target_head
+from sglang_rl.drafter import DrafterConfigError, load_drafter, load_target_head
 from sglang_rl.drafter.checkpoint import DrafterCheckpointError
 from sglang_rl.drafter.cli import main
 from sglang_rl.drafter.eagle3 import draft_vocab, init_eagle3, read_eagle3, save_eagle3
@@ -132,6 +132,13 @@ def test_read_refuses_a_broken_mapping_or_a_missing_tensor(tmp_path: Path) -> No
         read_eagle3(save_eagle3(tmp_path / "b", cfg, bad))
     with pytest.raises(DrafterCheckpointError, match="lacks norm.weight"):
         read_eagle3(save_eagle3(tmp_path / "c", cfg, {k: v for k, v in tensors.items() if k != "norm.weight"}))
+
+
+def test_eagle1_loading_refuses_an_eagle3_folder_with_the_reason(tmp_path: Path) -> None:
+    folder = target(tmp_path)
+    out = save_eagle3(tmp_path / "draft", *init_eagle3(folder, 8))
+    with pytest.raises(DrafterConfigError, match="EAGLE3 drafter"):
+        load_drafter(out, folder)
 
 
 def test_cli_init_eagle3(tmp_path: Path, capsys) -> None:

@@ -81,6 +81,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def _family(raw: Mapping[str, Any]) -> str:
     archs = raw.get("architectures") or []
+    if "LlamaForCausalLMEagle3" in archs:
+        raise DrafterConfigError("this is an EAGLE3 drafter (LlamaForCausalLMEagle3): only EAGLE-1/2 drafters are trained")
     for arch in archs:
         if arch in _TARGET_ARCHITECTURES:
             return _TARGET_ARCHITECTURES[arch]
