@@ -12,6 +12,13 @@ bf16 verifier through `python -m sglang_rl.calibration.servers`.
         --verify-rollouts rollouts/                    # on a host of another GPU type: verifiers only
     sglang-rl calibrate --model-path M --out cal.json --stats records/*.jsonl --stats records_x/*.jsonl --no-measure
 
+A smoke run of the plumbing on the CPU (two small servers, a few prompts per job):
+
+    python benchmark/calibrate_gpu_servers.py --model-path M --out-dir /tmp/a --cpu 4 --only verifier,g_base \
+        --save-rollouts /tmp/r
+    python benchmark/calibrate_gpu_servers.py --model-path M --out-dir /tmp/b --cpu 4 --verify-rollouts /tmp/r
+    sglang-rl calibrate --model-path M --out /tmp/cal.json --no-measure --stats /tmp/a/rec_*.jsonl /tmp/b/rec_*.jsonl
+
 `--gpus N` spreads the servers over GPUs 0..N-1: the verifiers on the last one (the TP=2 verifier
 on the last two), the generators round-robin on the others (TP=2 and DP=2 generators on GPUs 0-1).
 Servers start in two waves (the verifiers first): sglang sizes its KV cache from the memory that
@@ -33,6 +40,8 @@ from pathlib import Path
 
 from sglang_rl.calibration.rollouts import gpu_name, rollout_files
 
+CPU = ["--device", "cpu", "--attention-backend", "torch_native", "--dtype", "float32", "--max-total-tokens", "16384",
+       "--toploc-verification", "--log-level", "error", "--sleep-on-idle"]
 COMMON = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--mem-fraction-static", "0.1",
           "--cuda-graph-max-bs", "64", "--toploc-verification", "--log-level", "error",
           "--max-running-requests", "64"]
@@ -113,7 +122,8 @@ def _ready(port: int) -> bool:
         return False
 
 
-def start(names: list[str], table: dict, gpu: dict[str, int], out: Path, timeout: float) -> tuple[dict, set]:
+def start(names: list[str], table: dict, gpu: dict[str, int], out: Path, timeout: float,
+          cpu: bool = False) -> tuple[dict, set]:
     """Start the servers in two waves (verifiers first); return the processes and the names up."""
     procs: dict[str, subprocess.Popen] = {}
     up: set[str] = set()
@@ -123,9 +133,13 @@ def start(names: list[str], table: dict, gpu: dict[str, int], out: Path, timeout
         for name in wave:
             port, extra, model = table[name]
             log = open(out / f"server_{name}.log", "w")
+            # on the CPU each server gets its own rendezvous port (servers starting together may pick one)
+            flags = [*CPU, "--nccl-port", str(port + 1000)] if cpu else ["--base-gpu-id", str(gpu[name]), *COMMON, *extra]
             procs[name] = subprocess.Popen([sys.executable, "-m", "sglang.launch_server", "--model-path", model,
-                                            "--port", str(port), "--base-gpu-id", str(gpu[name]), *COMMON, *extra],
-                                           stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                                            "--port", str(port), *flags],
+                                           stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                           env={**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "OMP_NUM_THREADS": "1"}
+                                           if cpu else None)
         while time.time() - t0 < timeout and not set(wave) <= up:
             for name in wave:
                 if name not in up and procs[name].poll() is None and _ready(table[name][0]):
@@ -148,6 +162,8 @@ def main() -> int:
     parser.add_argument("--dp2", action="store_true", help="add a DP=2 generator and its job (needs 2 GPUs)")
     parser.add_argument("--save-rollouts", metavar="DIR", help="also write every job's responses to DIR "
                                                                "(rollouts_CONFIG.jsonl.gz)")
+    parser.add_argument("--cpu", type=int, metavar="PROMPTS", help="smoke run on the CPU: at most PROMPTS "
+                                                                "prompts per job, 40 tokens each")
     parser.add_argument("--verify-rollouts", metavar="DIR", help="start only the verifiers and verify every "
                                                                  "rollouts file in DIR on each of them")
     args = parser.parse_args()
@@ -163,14 +179,17 @@ def main() -> int:
     if args.dp2:
         table.update({name: (port, extra, args.model_path) for name, (port, extra) in DP2_SERVERS.items()})
         jobs += DP2_JOBS
-    files = rollout_files([args.verify_rollouts]) if args.verify_rollouts else []
+    try:
+        files = rollout_files([args.verify_rollouts]) if args.verify_rollouts else []
+    except ValueError as exc:
+        parser.error(f"--verify-rollouts: {exc}")
     names = [n for n in table if (not args.only or n in args.only.split(","))
              and (not files or n.startswith("verifier"))]
     gpu = placement(names, table, args.gpus)
     label = {name: gpu_name(index) for name, index in gpu.items()}
     if args.save_rollouts:
         Path(args.save_rollouts).mkdir(parents=True, exist_ok=True)
-    procs, up = start(names, table, gpu, out, args.start_timeout)
+    procs, up = start(names, table, gpu, out, args.start_timeout, cpu=bool(args.cpu))
 
     def run(name: str, servers_needed: tuple[str, ...], cmd: list[str]) -> str:
         if any(s not in procs for s in servers_needed):
@@ -183,9 +202,10 @@ def main() -> int:
 
     def job(spec: tuple) -> str:
         name, gen, ver, honest, count, offset, batch = spec
+        count, batch = (min(count, args.cpu), min(batch, 2)) if args.cpu else (count, batch)
         cmd = ["--generator", f"http://127.0.0.1:{table[gen][0]}", "--verifier", f"http://127.0.0.1:{table[ver][0]}",
                "--model-path", args.model_path, "--config", name, "--prompts", str(count), "--offset", str(offset),
-               "--batch", str(batch), "--max-tokens", "128", "--out", str(out / f"rec_{name}.jsonl"),
+               "--batch", str(batch), "--max-tokens", "40" if args.cpu else "128", "--out", str(out / f"rec_{name}.jsonl"),
                "--verifier-config", ver, "--generator-gpu", label.get(gen, ""), "--verifier-gpu", label.get(ver, "")]
         if args.save_rollouts:
             cmd += ["--save-rollouts", str(Path(args.save_rollouts) / f"rollouts_{name}.jsonl.gz")]
