@@ -19,17 +19,10 @@ from pathlib import Path
 
 from e2e_servers import EAGER, Prepared, Server, Spec, server_fixture
 from hidden_states_fixtures import generate
+from speculative_prompts import MAX_NEW, PROMPTS
 
 STEPS = 3
 DRAFT_VOCAB = 4096
-REPEATING = "Repeat the word hello ten times: hello hello hello"
-PROMPTS = [
-    REPEATING,
-    "The capital of France is",
-    "def fib(n):\n    if n < 2:\n        return n\n",
-    "Write a haiku about the sea.",
-]
-MAX_NEW = 24
 
 
 def _eagle3_drafter(model_path: str, workdir: Path) -> Prepared:

@@ -30,16 +30,9 @@ from safetensors.torch import load_file, save_file
 from e2e_servers import EAGER, Prepared, Server, Spec, server_fixture
 from hidden_states_fixtures import check_response, generate, hs_fields
 from toploc_helpers import assert_fingerprints_verify
+from speculative_prompts import MAX_NEW, PROMPTS, REPEATING
 
 STEPS = 3  # draft steps per verify; topk 1 makes a chain of STEPS drafts + the bonus token
-REPEATING = "Repeat the word hello ten times: hello hello hello"
-PROMPTS = [
-    REPEATING,
-    "The capital of France is",
-    "def fib(n):\n    if n < 2:\n        return n\n",
-    "Write a haiku about the sea.",
-]
-MAX_NEW = 24
 CHAT = [{"role": "user", "content": "Name three colors, then say hello five times."}]
 TIMEOUT = 300
 
