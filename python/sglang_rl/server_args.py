@@ -101,6 +101,13 @@ class RLServerArgs(ServerArgs):
     drafter_cotrain_train_dtype: A[
         str, "sglang-rl: compute dtype of co-training (bfloat16: autocast, float32 weights)."
     ] = "float32"
+    drafter_cotrain_train_in_gaps: A[
+        bool, "sglang-rl: run co-training's optimizer steps only while this server is idle (between "
+        "rollout bursts), waiting at most --drafter-cotrain-gap-max-wait-s per round."
+    ] = False
+    drafter_cotrain_gap_max_wait_s: A[
+        float, "sglang-rl: with --drafter-cotrain-train-in-gaps, the longest a round waits for idle time."
+    ] = 10.0
     drafter_cotrain_trainer: A[
         Optional[str], "sglang-rl: HOST:PORT of a shared `sglang-rl drafter trainer` to send rollouts to "
         "instead of training in this server (key: SGLANG_RL_COTRAIN_AUTHKEY)."
@@ -181,10 +188,14 @@ class RLServerArgs(ServerArgs):
         if self.nnodes > 1 and not self.drafter_cotrain_trainer:
             raise ValueError("--drafter-cotrain on several nodes: start a shared trainer and give every node "
                              "--drafter-cotrain-trainer HOST:PORT (a server's own trainer listens on loopback)")
-        from sglang_rl.adapters.cotrain import config_from_args
+        from sglang_rl.adapters.cotrain_config import config_from_args
         from sglang_rl.adapters.cotrain_parallel import check_tp_shapes
 
         config_from_args(self)
+        if self.drafter_cotrain_train_in_gaps and (self.drafter_cotrain_trainer or self.tp_size > 1
+                                                   or self.dp_size > 1):
+            raise ValueError("--drafter-cotrain-train-in-gaps needs the server's own trainer process "
+                             "(one scheduler, no --drafter-cotrain-trainer)")
         if self.tp_size > 1:
             check_tp_shapes(self.speculative_draft_model_path, self.tp_size)
         if self.drafter_cotrain_trainer:  # a trainer that does not answer stops the start, with the reason

@@ -34,3 +34,22 @@ def test_cotraining_with_memory_release_backs_up_the_draft(tmp_path, memory_save
                         speculative_draft_model_path=str(tmp_path / "draft"), device="cpu",
                         enable_memory_saver=memory_saver)
     assert args.enable_draft_weights_cpu_backup is memory_saver
+
+
+@pytest.mark.parametrize("other", [{"drafter_cotrain_trainer": "127.0.0.1:1"}, {"dp_size": 2}])
+def test_training_in_gaps_needs_the_servers_own_trainer(tmp_path, other: dict) -> None:
+    """The idle signal reaches only a trainer process this scheduler started itself."""
+    from sglang_rl.drafter import init_drafter, save_drafter
+    from test_drafter_checkpoint import write_target
+
+    target = write_target(tmp_path / "target")
+    save_drafter(init_drafter(target, seed=0), tmp_path / "draft")
+    common = dict(model_path=str(target), speculative_algorithm="EAGLE", drafter_cotrain=True,
+                  speculative_draft_model_path=str(tmp_path / "draft"), device="cpu")
+    args = RLServerArgs(**common, drafter_cotrain_train_in_gaps=True, drafter_cotrain_gap_max_wait_s=2.5)
+    from sglang_rl.adapters.cotrain_config import config_from_args
+
+    config = config_from_args(args)
+    assert config.train_in_gaps is True and config.gap_max_wait_s == 2.5
+    with pytest.raises(ValueError, match="--drafter-cotrain-train-in-gaps needs the server's own trainer"):
+        RLServerArgs(**common, drafter_cotrain_train_in_gaps=True, **other)

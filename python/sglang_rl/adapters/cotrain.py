@@ -33,8 +33,8 @@ from sglang_rl.adapters.cotrain_metrics import CotrainMetrics
 from sglang_rl.adapters import cotrain_parallel as parallel
 from sglang_rl.adapters.hidden_states import CotrainRows
 from sglang_rl.adapters.request_state import cotrain_rows_of, kcbs_beam_of, kcbs_search_of, peek, state_of
+from sglang_rl.adapters.cotrain_config import config_from_args
 from sglang_rl.drafter.cotrain import (
-    CotrainConfig,
     from_wire,
     inbox_size,
     sample_to_wire,
@@ -49,38 +49,6 @@ logger = logging.getLogger(__name__)
 OPT_OUT_KEY = "cotrain_opt_out"
 STATS_NAME = "__sglang_rl_drafter_cotrain_stats__"
 ATTR = "_sglang_rl_cotrain"
-
-
-def config_from_args(server_args: Any) -> CotrainConfig:
-    """The co-training process's config from the server flags (checked: ValueError on bad values)."""
-    dtype = str(server_args.dtype)
-    config = CotrainConfig(
-        draft_path=server_args.speculative_draft_model_path,
-        target_path=server_args.model_path,
-        device=server_args.drafter_cotrain_device or _server_device(server_args),
-        buffer_bytes=server_args.drafter_cotrain_buffer_bytes,
-        samples_per_round=server_args.drafter_cotrain_samples_per_round,
-        steps=server_args.drafter_cotrain_steps,
-        lr=server_args.drafter_cotrain_lr,
-        window=server_args.drafter_cotrain_window,
-        samples_per_step=server_args.drafter_cotrain_samples_per_step,
-        soft_topk=server_args.drafter_cotrain_soft_topk,
-        serve_dtype=dtype if dtype in ("float32", "float16", "bfloat16") else "bfloat16",
-        threads=server_args.drafter_cotrain_threads,
-        unroll_steps=server_args.drafter_cotrain_unroll_steps,
-        replay_samples=server_args.drafter_cotrain_replay_samples,
-        lr_schedule=server_args.drafter_cotrain_lr_schedule,
-        train_dtype=server_args.drafter_cotrain_train_dtype,
-    )
-    config.check()
-    return config
-
-
-def _server_device(server_args: Any) -> str:
-    device = str(server_args.device or "cuda")
-    if device == "cuda":
-        return f"cuda:{server_args.base_gpu_id}"
-    return device
 
 
 def _checksum(embed: torch.Tensor, head: torch.Tensor) -> tuple[float, ...]:
@@ -117,12 +85,15 @@ class CotrainRuntime:
         self.window = self.config.window
         self.sends_rows, self.tp_size, self.dp_rank = tp_rank == 0, tp_size, dp_rank
         self.swap: Optional[parallel.TpSwap] = None  # set by scheduler_init_after when tp_size > 1
+        self.idle: Optional[Any] = None  # set while the scheduler is idle (train_in_gaps)
         address, authkey = parallel.trainer_address(server_args)
         if address:  # a shared trainer (sglang-rl drafter trainer) or this server's own hub
             self.process = RemoteTrainer(address, inbox_size(self.config), authkey)
             self.inbox, self.outbox = self.process.inbox, self.process.outbox
         else:
-            self.process, self.inbox, self.outbox = start_cotrain_process(self.config, "sglang-rl-drafter-cotrain")
+            self.idle = _idle_event() if self.config.train_in_gaps else None
+            self.process, self.inbox, self.outbox = start_cotrain_process(
+                self.config, "sglang-rl-drafter-cotrain", self.idle)
         self.policy_version = 0
         # a run of target updates with no rollout between them is one RL step; the first run
         # (verl's initial push) starts version 1
@@ -219,6 +190,8 @@ class CotrainRuntime:
 
     def poll(self, scheduler: Any) -> None:
         """Apply finished rounds (between batches, where sglang applies its own weight updates)."""
+        if self.idle is not None:
+            _note_idle(self.idle, scheduler)
         if weights_released(scheduler):
             return  # rounds wait in the outbox until resume: the draft's memory is unmapped now
         if self.head_checksum is None or (self.head_pending and self.served_since_update):
@@ -281,6 +254,7 @@ class CotrainRuntime:
             "loss": [r["loss"] for r in self.rounds],
             "top1_agreement": [r["top1_agreement"] for r in self.rounds],
             "round_seconds": [r["seconds"] for r in self.rounds],
+            **({"round_gap_wait_s": [r.get("gap_wait_s", 0.0) for r in self.rounds]} if self.idle is not None else {}),
             "round_policy_version": [r["policy_version"] for r in self.rounds],
             "acceptance_length": [a.length for a in self.acceptance],
             "acceptance_tokens": [a.tokens for a in self.acceptance],
@@ -302,6 +276,21 @@ class CotrainRuntime:
             self.process.join(timeout=5)
             if self.process.is_alive():
                 self.process.kill()
+
+
+def _idle_event() -> Any:
+    import multiprocessing
+
+    event = multiprocessing.get_context("spawn").Event()
+    event.set()
+    return event
+
+
+def _note_idle(event: Any, scheduler: Any) -> None:
+    """Tell the trainer (train_in_gaps) whether the scheduler is idle, on transitions only."""
+    idle = scheduler.is_fully_idle() or weights_released(scheduler)
+    if idle != event.is_set():
+        event.set() if idle else event.clear()
 
 
 def weights_released(scheduler: Any) -> bool:

@@ -75,7 +75,7 @@ def launch_subprocesses_before(engine_cls: type, server_args: Any, *args: Any, *
     its trainer hub, whose address the schedulers find on their (pickled) server args."""
     import multiprocessing
 
-    from sglang_rl.adapters.cotrain import config_from_args
+    from sglang_rl.adapters.cotrain_config import config_from_args
     from sglang_rl.drafter.trainer_server import hub_main
 
     if not needs_hub(server_args) or getattr(server_args, HUB_ATTR, None) is not None:

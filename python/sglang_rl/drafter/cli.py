@@ -50,6 +50,10 @@ _OWN = {"serve_dtype": "dtype of the weights sent to the servers (their --dtype)
 _TYPES = {"int": int, "float": float, "str": str, "Optional[int]": int, "Optional[str]": str}
 
 
+# the folders have flags of their own; a shared trainer cannot see its servers' idle gaps
+_NOT_TRAINER_FLAGS = {"draft_path", "target_path", "train_in_gaps", "gap_max_wait_s"}
+
+
 def _trainer_parser(sub) -> None:
     from sglang_rl.drafter.cotrain import CotrainConfig
     from sglang_rl.drafter.trainer_client import AUTHKEY_ENV
@@ -61,7 +65,7 @@ def _trainer_parser(sub) -> None:
     trainer.add_argument("--model-path", required=True, help="target model folder (embedding and LM head)")
     trainer.add_argument("--drafter-path", required=True, help="drafter folder to start from (the servers' draft)")
     for f in dataclasses.fields(CotrainConfig):
-        if f.name in ("draft_path", "target_path"):
+        if f.name in _NOT_TRAINER_FLAGS:
             continue
         flag = f.name.replace("_", "-")
         note = _OWN.get(f.name, f"as a server's --drafter-cotrain-{flag}")
@@ -75,7 +79,7 @@ def _trainer(args) -> int:
     from sglang_rl.drafter.trainer_client import DEFAULT_AUTHKEY, parse_address
     from sglang_rl.drafter.trainer_server import flush_log, is_loopback, serve
 
-    names = {f.name for f in dataclasses.fields(CotrainConfig)} - {"draft_path", "target_path"}
+    names = {f.name for f in dataclasses.fields(CotrainConfig)} - _NOT_TRAINER_FLAGS
     try:
         config = CotrainConfig(draft_path=args.drafter_path, target_path=args.model_path,
                                **{n: getattr(args, n) for n in names})

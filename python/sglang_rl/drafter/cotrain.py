@@ -28,6 +28,7 @@ import torch
 from sglang_rl.drafter.checkpoint import load_drafter, sglang_weights
 from sglang_rl.drafter.config import dtype_from_name
 from sglang_rl.drafter.data import sample_from_rows
+from sglang_rl.drafter.gaps import IdleGate
 from sglang_rl.drafter.loss import EagleLossConfig
 from sglang_rl.drafter.schedule import LrSchedule
 from sglang_rl.drafter.trainer import DrafterTrainer
@@ -59,6 +60,8 @@ class CotrainConfig:
     replay_decay: float = 0.5
     lr_schedule: Optional[str] = None
     seed: int = 0
+    train_in_gaps: bool = False
+    gap_max_wait_s: float = 10.0
 
     def check(self) -> None:
         """Raise ValueError naming the first bad value."""
@@ -81,6 +84,9 @@ class CotrainConfig:
             raise ValueError(f"drafter co-training: replay_samples must be >= 0, got {self.replay_samples!r}")
         if not (isinstance(self.replay_decay, (int, float)) and 0 < self.replay_decay <= 1):
             raise ValueError(f"drafter co-training: replay_decay must be in (0, 1], got {self.replay_decay!r}")
+        if isinstance(self.gap_max_wait_s, bool) or not isinstance(self.gap_max_wait_s, (int, float)) \
+                or not self.gap_max_wait_s >= 0:
+            raise ValueError(f"drafter co-training: gap_max_wait_s must be >= 0, got {self.gap_max_wait_s!r}")
         try:
             LrSchedule.parse(self.lr_schedule)
         except ValueError as exc:
@@ -125,8 +131,9 @@ def sample_from_wire(wire: dict) -> "RolloutSample":
 class CotrainLoop:
     """The training state of one co-training process: buffer, trainer and round bookkeeping."""
 
-    def __init__(self, config: CotrainConfig) -> None:
+    def __init__(self, config: CotrainConfig, gate: Optional[IdleGate] = None) -> None:
         config.check()
+        self.gate = gate
         self.config = config
         device = torch.device(config.device)
         # weights and AdamW state stay float32; a lower train_dtype is autocast compute
@@ -190,7 +197,10 @@ class CotrainLoop:
         data = [samples[i:i + self.config.samples_per_step]
                 for i in range(0, len(samples), self.config.samples_per_step)]
         batches = [b for group in data for b in self.trainer.as_batches(group)]
-        history = self.trainer.train_steps(batches, self.config.steps)
+        if self.gate is not None:
+            self.gate.new_round()
+        history = self.trainer.train_steps(batches, self.config.steps,
+                                           before_step=None if self.gate is None else self.gate.wait)
         self.fresh = 0
         self.rounds += 1
         trained = [h for h in history if not h["skipped"]]
@@ -210,6 +220,7 @@ class CotrainLoop:
             "buffer_bytes": self.buffer.nbytes,
             "received": self.received,
             "head_updates": self.head_updates,
+            **({"gap_wait_s": self.gate.waited_s} if self.gate is not None else {}),
         }
         weights = sglang_weights(self.trainer.model, dtype=dtype_from_name(self.config.serve_dtype))
         return weights, metrics
@@ -228,15 +239,16 @@ def _drain(inbox: Any, first: Any) -> list:
             return items
 
 
-def cotrain_main(config: CotrainConfig, inbox: Any, outbox: Any) -> None:
-    """Process entry point. Inbox messages: ``("sample", sample_to_wire(...))``,
+def cotrain_main(config: CotrainConfig, inbox: Any, outbox: Any, idle: Any = None) -> None:
+    """Process entry point (``idle``: the server's idle Event, for ``train_in_gaps``). Inbox messages: ``("sample", sample_to_wire(...))``,
     ``("target_head", embed_wire, head_wire or None)``, ``("stop",)``.
     Outbox messages: ``("ready", {})``, ``("round", [(name, to_wire(tensor))], metrics)``,
     ``("error", text)``."""
     if config.threads > 0:
         torch.set_num_threads(config.threads)
     try:
-        loop = CotrainLoop(config)
+        gate = IdleGate(idle, config.gap_max_wait_s) if config.train_in_gaps and idle is not None else None
+        loop = CotrainLoop(config, gate)
     except Exception:  # noqa: BLE001 - reported to the server, which logs it and keeps serving
         outbox.put(("error", traceback.format_exc()))
         return
@@ -276,12 +288,13 @@ def inbox_size(config: CotrainConfig) -> int:
     return max(2 * config.samples_per_round, 64)
 
 
-def start_cotrain_process(config: CotrainConfig, name: str) -> tuple[Any, Any, Any]:
-    """The co-training process (spawned) with its bounded inbox and its outbox."""
+def start_cotrain_process(config: CotrainConfig, name: str, idle: Any = None) -> tuple[Any, Any, Any]:
+    """The co-training process (spawned) with its bounded inbox and its outbox (``idle``: a spawn
+    context Event the server sets while it is idle, for ``train_in_gaps``)."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
     inbox, outbox = ctx.Queue(maxsize=inbox_size(config)), ctx.Queue()
-    process = ctx.Process(target=cotrain_main, args=(config, inbox, outbox), name=name, daemon=True)
+    process = ctx.Process(target=cotrain_main, args=(config, inbox, outbox, idle), name=name, daemon=True)
     process.start()
     return process, inbox, outbox

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from contextlib import nullcontext
-from typing import Any, Callable, ContextManager, Mapping
+from typing import Any, Callable, ContextManager, Mapping, Optional
 
 import torch
 
@@ -187,7 +187,8 @@ class DrafterTrainer:
         loss = sum(w * o.loss for w, o in zip(weights, outs))
         return replace(first, loss=loss), agreements[0], agreements
 
-    def train_steps(self, data: Any, steps: int) -> list[dict[str, float]]:
+    def train_steps(self, data: Any, steps: int,
+                    before_step: Optional[Callable[[], None]] = None) -> list[dict[str, float]]:
         """Run ``steps`` optimizer steps, cycling through the batches of ``data`` in order.
 
         Returns one metrics dict per step: ``step``, ``loss``, ``value_loss``, ``prob_loss``,
@@ -195,6 +196,7 @@ class DrafterTrainer:
         ``skipped`` (1.0 when the batch had no loss-masked pair and no update was made). With
         ``unroll_steps > 1``: ``loss`` is the weighted sum over the steps, the loss parts and
         ``top1_agreement`` are step 1's, and ``top1_agreement_stepJ`` is step J's.
+        ``before_step`` runs before each step (co-training's idle gate, ``drafter/gaps.py``).
         """
         batches = self.as_batches(data)
         if not batches:
@@ -203,6 +205,8 @@ class DrafterTrainer:
         history = []
         for i in range(steps):
             batch = batches[i % len(batches)]
+            if before_step is not None:
+                before_step()
             start = time.perf_counter()
             self.optimizer.zero_grad(set_to_none=True)
             if self.lr_factor is not None:

@@ -1,0 +1,64 @@
+"""Co-training in the server's idle gaps: the gate alone, and the real co-training process, whose
+round waits while the server is busy and trains once it is idle (or its waiting budget is spent)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import queue
+import threading
+import time
+
+import pytest
+
+from sglang_rl.drafter.cotrain import cotrain_main, sample_to_wire
+from sglang_rl.drafter.gaps import IdleGate
+from test_drafter_cotrain_loop import config, folders, sample  # noqa: F401 - folders is a fixture
+
+
+def test_the_gate_waits_for_idle_then_passes() -> None:
+    idle = threading.Event()
+    gate = IdleGate(idle, max_wait_s=30)
+    threading.Timer(0.3, idle.set).start()
+    start = time.perf_counter()
+    gate.wait()
+    assert 0.25 <= time.perf_counter() - start < 5 and 0.25 <= gate.waited_s < 5
+    gate.wait()  # idle now: no wait
+    assert gate.waited_s < 5
+
+
+def test_the_gate_gives_up_after_the_rounds_budget() -> None:
+    gate = IdleGate(threading.Event(), max_wait_s=0.2)
+    for _ in range(3):  # the budget is the round's, not each step's
+        gate.wait()
+    assert 0.2 <= gate.waited_s < 1
+    gate.new_round()
+    assert gate.waited_s == 0.0
+
+
+def test_a_bad_wait_budget_is_refused(folders) -> None:  # noqa: F811
+    with pytest.raises(ValueError, match="gap_max_wait_s must be >= 0"):
+        config(folders, gap_max_wait_s=-1).check()
+
+
+def test_a_round_waits_while_the_server_is_busy(folders) -> None:  # noqa: F811
+    """The process protocol with the server's idle Event cleared: no round while busy (the
+    budget is long), the round once the server goes idle, with the wait in its metrics."""
+    ctx = multiprocessing.get_context("spawn")
+    inbox, outbox, idle = ctx.Queue(), ctx.Queue(), ctx.Event()
+    cfg = config(folders, threads=1, train_in_gaps=True, gap_max_wait_s=120)
+    proc = ctx.Process(target=cotrain_main, args=(cfg, inbox, outbox, idle), daemon=True)
+    proc.start()
+    try:
+        assert outbox.get(timeout=120)[0] == "ready"
+        for i in range(4):
+            inbox.put(("sample", sample_to_wire(sample(seed=i))))
+        with pytest.raises(queue.Empty):
+            outbox.get(timeout=3)  # busy: the round's first step waits
+        idle.set()
+        kind, _, metrics = outbox.get(timeout=60)
+        assert kind == "round" and metrics["round"] == 1 and metrics["gap_wait_s"] >= 2.5
+        inbox.put(("stop",))
+        proc.join(timeout=30)
+    finally:
+        if proc.is_alive():
+            proc.kill()
