@@ -7,6 +7,12 @@ from typing import Any
 from sglang_rl.drafter.cotrain import CotrainConfig
 
 
+# CotrainConfig fields set by the server flag of the same name, `--drafter-cotrain-<field>`
+FLAG_FIELDS = ("buffer_bytes", "samples_per_round", "steps", "lr", "window", "samples_per_step", "soft_topk",
+               "threads", "unroll_steps", "replay_samples", "lr_schedule", "train_dtype", "train_in_gaps",
+               "gap_max_wait_s")
+
+
 def config_from_args(server_args: Any) -> CotrainConfig:
     """The co-training process's config from the server flags (checked: ValueError on bad values)."""
     dtype = str(server_args.dtype)
@@ -14,21 +20,8 @@ def config_from_args(server_args: Any) -> CotrainConfig:
         draft_path=server_args.speculative_draft_model_path,
         target_path=server_args.model_path,
         device=server_args.drafter_cotrain_device or _server_device(server_args),
-        buffer_bytes=server_args.drafter_cotrain_buffer_bytes,
-        samples_per_round=server_args.drafter_cotrain_samples_per_round,
-        steps=server_args.drafter_cotrain_steps,
-        lr=server_args.drafter_cotrain_lr,
-        window=server_args.drafter_cotrain_window,
-        samples_per_step=server_args.drafter_cotrain_samples_per_step,
-        soft_topk=server_args.drafter_cotrain_soft_topk,
         serve_dtype=dtype if dtype in ("float32", "float16", "bfloat16") else "bfloat16",
-        threads=server_args.drafter_cotrain_threads,
-        unroll_steps=server_args.drafter_cotrain_unroll_steps,
-        replay_samples=server_args.drafter_cotrain_replay_samples,
-        lr_schedule=server_args.drafter_cotrain_lr_schedule,
-        train_dtype=server_args.drafter_cotrain_train_dtype,
-        train_in_gaps=server_args.drafter_cotrain_train_in_gaps,
-        gap_max_wait_s=server_args.drafter_cotrain_gap_max_wait_s,
+        **{name: getattr(server_args, f"drafter_cotrain_{name}") for name in FLAG_FIELDS},
     )
     config.check()
     return config
