@@ -190,9 +190,10 @@ class CotrainRuntime:
 
     def poll(self, scheduler: Any) -> None:
         """Apply finished rounds (between batches, where sglang applies its own weight updates)."""
+        released = weights_released(scheduler)
         if self.idle is not None:
-            _note_idle(self.idle, scheduler)
-        if weights_released(scheduler):
+            _note_idle(self.idle, released or scheduler.is_fully_idle())
+        if released:
             return  # rounds wait in the outbox until resume: the draft's memory is unmapped now
         if self.head_checksum is None or (self.head_pending and self.served_since_update):
             self.send_target_head(scheduler)
@@ -286,9 +287,8 @@ def _idle_event() -> Any:
     return event
 
 
-def _note_idle(event: Any, scheduler: Any) -> None:
+def _note_idle(event: Any, idle: bool) -> None:
     """Tell the trainer (train_in_gaps) whether the scheduler is idle, on transitions only."""
-    idle = scheduler.is_fully_idle() or weights_released(scheduler)
     if idle != event.is_set():
         event.set() if idle else event.clear()
 

@@ -189,14 +189,11 @@ def swap_request(scheduler: Any, req: CotrainSwapReqInput) -> None:
 def check_tp_agree(scheduler: Any) -> None:
     """Every TP rank must see the same draft (names and full shapes): a round is one set of
     full tensors. RuntimeError with the difference otherwise (the server does not start)."""
-    import torch
-
     from sglang_rl.adapters.eagle_draft import draft_spec, find_eagle_draft
 
     eagle, why = find_eagle_draft(getattr(scheduler, "draft_worker", None))
     mine = why if eagle is None else sorted((n, s.shape) for n, s in draft_spec(eagle)[0].slots.items())
-    everyone: list = [None] * scheduler.ps.tp_size
-    torch.distributed.all_gather_object(everyone, mine, group=scheduler.tp_cpu_group)
+    everyone = _from_every_tp_rank(scheduler, mine)
     for rank, theirs in enumerate(everyone):
         if theirs != everyone[0]:
             diff = sorted(set(map(str, theirs)) ^ set(map(str, everyone[0])))[:4]
@@ -207,8 +204,6 @@ def gather_tp_stats(scheduler: Any, runtime: Any) -> list[dict]:
     """Each TP rank's rounds (number, and the scheduler iteration each was loaded at), a checksum
     of its draft's fc weight and its errors, gathered over the TP group: every rank must have
     loaded the same rounds at the same step."""
-    import torch
-
     from sglang_rl.adapters.eagle_draft import draft_spec, find_eagle_draft
 
     eagle, _ = find_eagle_draft(getattr(scheduler, "draft_worker", None))
@@ -218,6 +213,14 @@ def gather_tp_stats(scheduler: Any, runtime: Any) -> list[dict]:
             "fc_checksum": None if fc is None else float(fc.detach().double().sum()),
             "loaded_rounds": [r["round"] for r in runtime.rounds],
             "loaded_at_forward": [r["forward_ct"] for r in runtime.rounds], "errors": runtime.errors[-3:]}
+    return _from_every_tp_rank(scheduler, mine)
+
+
+def _from_every_tp_rank(scheduler: Any, mine: Any) -> list:
+    """``mine`` of every rank of this scheduler's TP group, in rank order (a collective: every
+    rank calls it at the same point)."""
+    import torch
+
     everyone: list = [None] * scheduler.ps.tp_size
     torch.distributed.all_gather_object(everyone, mine, group=scheduler.tp_cpu_group)
     return everyone

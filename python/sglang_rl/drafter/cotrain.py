@@ -240,8 +240,9 @@ def _drain(inbox: Any, first: Any) -> list:
 
 
 def cotrain_main(config: CotrainConfig, inbox: Any, outbox: Any, idle: Any = None) -> None:
-    """Process entry point (``idle``: the server's idle Event, for ``train_in_gaps``). Inbox messages: ``("sample", sample_to_wire(...))``,
-    ``("target_head", embed_wire, head_wire or None)``, ``("stop",)``.
+    """Process entry point (``idle``: the server's idle Event, for ``train_in_gaps``). Inbox
+    messages: ``("sample", sample_to_wire(...))``, ``("target_head", embed_wire, head_wire or None)``,
+    ``("stop",)``.
     Outbox messages: ``("ready", {})``, ``("round", [(name, to_wire(tensor))], metrics)``,
     ``("error", text)``."""
     if config.threads > 0:
