@@ -24,7 +24,6 @@ plus gaussian noise of r times its RMS), ``other:{path}`` (another model with th
 from __future__ import annotations
 
 import copy
-import gzip
 import json
 import random
 import sys
@@ -36,6 +35,7 @@ from typing import Any
 
 import torch
 
+from sglang_rl.calibration.jsonl import json_lines, write_json_lines
 from sglang_rl.datasets import gsm8k_path
 
 from sglang_rl.fingerprint import build_fingerprint, verify_rows
@@ -249,12 +249,7 @@ def read_records(paths: Sequence[str | Path]) -> list[Record]:
     line; blank lines skipped)."""
     out = []
     for path in paths:
-        raw = Path(path).read_bytes()
-        text = (gzip.decompress(raw) if str(path).endswith(".gz") else raw).decode()
-        for number, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            rec = json.loads(line)
+        for number, rec in json_lines(path):
             if not isinstance(rec, dict) or "config" not in rec or "honest" not in rec or "chunks" not in rec:
                 raise ValueError(f"{path}:{number}: a record needs config, honest and chunks")
             out.append(rec)
@@ -264,5 +259,4 @@ def read_records(paths: Sequence[str | Path]) -> list[Record]:
 def write_records(records: Sequence[Record], path: str | Path) -> None:
     """Save records as JSON lines (the format ``read_records`` and ``--stats`` read), gzip-
     compressed when the name ends in .gz."""
-    data = "".join(json.dumps(r) + "\n" for r in records).encode()
-    Path(path).write_bytes(gzip.compress(data, mtime=0) if str(path).endswith(".gz") else data)
+    write_json_lines(records, path)

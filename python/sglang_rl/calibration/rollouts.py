@@ -10,8 +10,6 @@ A rollouts file holds JSON lines (gzip when the name ends in .gz), one response 
 
 from __future__ import annotations
 
-import gzip
-import json
 import os
 import shutil
 import subprocess
@@ -20,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from sglang_rl.calibration.jsonl import json_lines, write_json_lines
 from sglang_rl_client import Rollout, VerifierClient
 
 ROLLOUT_KEYS = ("config", "honest", "prompt", "input_ids", "output_ids", "fingerprint")
@@ -56,8 +55,7 @@ def gpu_label(name: str) -> str:
 
 def write_rollouts(rollouts: Sequence[dict[str, Any]], path: str | Path) -> None:
     """Save rollouts as JSON lines, gzip-compressed when the name ends in .gz."""
-    data = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in rollouts).encode()
-    Path(path).write_bytes(gzip.compress(data, mtime=0) if str(path).endswith(".gz") else data)
+    write_json_lines(rollouts, path, separators=(",", ":"))
 
 
 def rollout_files(paths: Iterable[str | Path]) -> list[Path]:
@@ -79,13 +77,8 @@ def rollout_files(paths: Iterable[str | Path]) -> list[Path]:
 
 def read_rollouts(path: str | Path) -> list[dict[str, Any]]:
     """The rollouts of one file; raises ValueError naming the line that lacks a field."""
-    raw = Path(path).read_bytes()
-    text = (gzip.decompress(raw) if str(path).endswith(".gz") else raw).decode()
     out = []
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        row = json.loads(line)
+    for number, row in json_lines(path):
         missing = [k for k in ROLLOUT_KEYS if not isinstance(row, dict) or k not in row]
         if missing:
             raise ValueError(f"{path}:{number}: a rollout needs {', '.join(missing)}")
