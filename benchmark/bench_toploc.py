@@ -211,6 +211,15 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict:
     return result
 
 
+def verify_outputs(llm, prompts: list[list[int]], outs: list[dict]) -> list[dict]:
+    """Each response verified in its exact-token form (one batch): the verification reports."""
+    ids = [p + list(o["output_ids"]) for p, o in zip(prompts, outs)]
+    checks = [{"max_new_tokens": 0, "toploc_verification_fingerprint_to_validate":
+               o["meta_info"]["toploc_verification_fingerprints"][-1]} for o in outs]
+    return [json.loads(r["meta_info"]["toploc_verification_fingerprint_validation_result"])
+            for r in llm.generate(input_ids=ids, sampling_params=checks)]
+
+
 def verifier_cost(llm, text: str) -> dict:
     """One batch of a shape generated, then all its responses verified in one batch with the cache
     flushed first (a verifier holds none of the generator's KV): the verifier's share of the time."""
@@ -223,16 +232,11 @@ def verifier_cost(llm, text: str) -> dict:
         t = time.perf_counter()
         outs = llm.generate(input_ids=prompts, sampling_params=sp, return_output_ids=True)
         gen_s = time.perf_counter() - t
-        ids = [p + list(o["output_ids"]) for p, o in zip(prompts, outs)]
-        checks = [{"max_new_tokens": 0, "toploc_verification_fingerprint_to_validate":
-                   o["meta_info"]["toploc_verification_fingerprints"][-1]} for o in outs]
         llm.flush_cache()
         t = time.perf_counter()
-        results = llm.generate(input_ids=ids, sampling_params=checks)
+        reports = verify_outputs(llm, prompts, outs)
         verify_s = time.perf_counter() - t
-        passed = sum(bool(json.loads(r["meta_info"]["toploc_verification_fingerprint_validation_result"])["verified"])
-                     for r in results)
-        return gen_s, verify_s, sum(len(o["output_ids"]) for o in outs), passed
+        return gen_s, verify_s, sum(len(o["output_ids"]) for o in outs), sum(bool(r["verified"]) for r in reports)
 
     generate_then_verify()  # untimed: graphs, allocator, the first long prefills
     gen_s, verify_s, tokens, passed = generate_then_verify()
@@ -257,12 +261,7 @@ def replays(llm, args: argparse.Namespace) -> dict:
                 sampling_params=[{"max_new_tokens": n, "temperature": 0, "ignore_eos": True} for n in lens],
                 return_output_ids=True,
             )
-            ids = [p + list(o["output_ids"]) for p, o in zip(prompts, outs)]
-            fps = [o["meta_info"]["toploc_verification_fingerprints"][-1] for o in outs]
-            checks = llm.generate(input_ids=ids, sampling_params=[
-                {"max_new_tokens": 0, "toploc_verification_fingerprint_to_validate": fp} for fp in fps])
-            for c in checks:
-                r = json.loads(c["meta_info"]["toploc_verification_fingerprint_validation_result"])
+            for r in verify_outputs(llm, prompts, outs):
                 total += 1
                 passed += bool(r["verified"])
                 worst = max(worst, r.get("worst_exp_mismatches") or 0)
