@@ -41,7 +41,10 @@ def sglang_kwargs(arm: str, drafter_path: str | None) -> dict:
         # host copy, or a fixed drafter accepts nothing after the first sleep (sglang issue #31674)
         kwargs["enable_draft_weights_cpu_backup"] = True
     if arm == "cotrain":
-        kwargs.update(drafter_cotrain=True, drafter_cotrain_samples_per_round=64, drafter_cotrain_steps=4)
+        # one round per RL step (16 prompts x 4 rollouts), trained while verl updates the actor and
+        # the server sleeps, so the rollout never waits on the trainer (docs/cotrain.md, idle gaps)
+        kwargs.update(drafter_cotrain=True, drafter_cotrain_samples_per_round=64, drafter_cotrain_steps=50,
+                      drafter_cotrain_lr=1e-3, drafter_cotrain_train_in_gaps=True)
     return kwargs
 
 

@@ -64,6 +64,8 @@ def test_arms_compose_into_verl_config(arm: str) -> None:
     # a fixed drafter must survive verl's sleep and wake (sglang issue #31674)
     assert sglang.get("enable_draft_weights_cpu_backup", False) == speculative
     assert sglang.get("drafter_cotrain", False) == (arm == "cotrain")
+    # co-training trains in the idle gaps (verl's actor update), never on the rollout's critical path
+    assert sglang.get("drafter_cotrain_train_in_gaps", False) == (arm == "cotrain")
     assert config.trainer.n_gpus_per_node == 2 and config.trainer.total_training_steps == 30
     assert config.trainer.experiment_name == arm
     assert config.trainer.v1.trainer_mode == "sglang_rl_sync"  # the same trainer in every arm
