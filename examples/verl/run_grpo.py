@@ -36,10 +36,9 @@ def sglang_kwargs(arm: str, drafter_path: str | None) -> dict:
     # prefill CUDA graphs are compiled at every server start (~4 min for this model on an H100)
     kwargs: dict = {"toploc_verification": True, "cuda_graph_backend_prefill": "disabled"}
     if arm in ("eagle", "cotrain"):
-        kwargs["speculative_draft_model_path"] = drafter_path
-        # verl's sleep releases the draft's weights too and its wake does not reload them: keep a
-        # host copy, or a fixed drafter accepts nothing after the first sleep (sglang issue #31674)
-        kwargs["enable_draft_weights_cpu_backup"] = True
+        # verl starts sglang with load_format=dummy (the trainer pushes the target's weights) and
+        # sglang loads the draft in that format too unless told: the draft would be random
+        kwargs.update(speculative_draft_model_path=drafter_path, speculative_draft_load_format="auto")
     if arm == "cotrain":
         # one round per RL step (16 prompts x 4 rollouts), trained while verl updates the actor and
         # the server sleeps, so the rollout never waits on the trainer (docs/cotrain.md, idle gaps)

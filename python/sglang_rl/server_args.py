@@ -8,11 +8,13 @@ work with `python -m sglang.launch_server`, `sglang serve` and the Engine alike.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Optional
 
 from sglang.srt.arg_groups.arg_utils import A
 from sglang.srt.server_args import ServerArgs
 
+logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class RLServerArgs(ServerArgs):
@@ -122,6 +124,10 @@ class RLServerArgs(ServerArgs):
             self._check_toploc_speculative()
         if self.toploc_verification_calibration is not None:
             self._check_toploc_calibration()
+        if self.speculative_draft_model_path and self.load_format == "dummy" and not self.speculative_draft_load_format:
+            # sglang loads the draft in --load-format unless told otherwise (verl starts servers this way)
+            logger.warning("--load-format dummy applies to the draft too: %s is not read and the draft is random; "
+                           "--speculative-draft-load-format auto loads it", self.speculative_draft_model_path)
         if self.drafter_cotrain:
             self._check_cotrain()
             if self.enable_memory_saver:

@@ -36,6 +36,20 @@ def test_cotraining_with_memory_release_backs_up_the_draft(tmp_path, memory_save
     assert args.enable_draft_weights_cpu_backup is memory_saver
 
 
+@pytest.mark.parametrize("draft_format, warned", [(None, True), ("auto", False)])
+def test_a_dummy_load_format_warns_that_the_draft_is_random(tmp_path, caplog, draft_format, warned: bool) -> None:
+    """verl starts sglang with --load-format dummy; sglang then loads the draft as dummy weights too."""
+    from sglang_rl.drafter import init_drafter, save_drafter
+    from test_drafter_checkpoint import write_target
+
+    target = write_target(tmp_path / "target")
+    save_drafter(init_drafter(target, seed=0), tmp_path / "draft")
+    with caplog.at_level("WARNING", logger="sglang_rl.server_args"):
+        RLServerArgs(model_path=str(target), speculative_algorithm="EAGLE", load_format="dummy", device="cpu",
+                     speculative_draft_model_path=str(tmp_path / "draft"), speculative_draft_load_format=draft_format)
+    assert ("the draft is random" in caplog.text) is warned, caplog.text
+
+
 @pytest.mark.parametrize("other", [{"drafter_cotrain_trainer": "127.0.0.1:1"}, {"dp_size": 2}])
 def test_training_in_gaps_needs_the_servers_own_trainer(tmp_path, other: dict) -> None:
     """The idle signal reaches only a trainer process this scheduler started itself."""

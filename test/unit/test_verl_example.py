@@ -61,8 +61,9 @@ def test_arms_compose_into_verl_config(arm: str) -> None:
     speculative = arm != "plain"
     assert (rollout.mtp is not None and rollout.mtp.enable and rollout.mtp.enable_rollout) == speculative
     assert sglang.get("speculative_draft_model_path") == ("/drafters/d0" if speculative else None)
-    # a fixed drafter must survive verl's sleep and wake (sglang issue #31674)
-    assert sglang.get("enable_draft_weights_cpu_backup", False) == speculative
+    # verl's rollout loads dummy weights (the trainer pushes the target's); the draft comes from its folder
+    assert rollout.load_format == "dummy"
+    assert sglang.get("speculative_draft_load_format") == ("auto" if speculative else None)
     assert sglang.get("drafter_cotrain", False) == (arm == "cotrain")
     # co-training trains in the idle gaps (verl's actor update), never on the rollout's critical path
     assert sglang.get("drafter_cotrain_train_in_gaps", False) == (arm == "cotrain")
