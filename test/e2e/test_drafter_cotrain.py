@@ -115,10 +115,10 @@ def test_cotraining_raises_held_out_acceptance(cotrain_server: Server, toploc_se
     acc0, messages0 = held_out(url, prompts)
     ids0 = [m["output_ids"] for m in messages0]
 
-    for k in range(TRAIN_PROMPTS // ROUND):
-        with ThreadPoolExecutor(8) as pool:
-            list(pool.map(lambda i: chat(url, prompts[i]), range(k * ROUND, (k + 1) * ROUND)))
-        wait_rounds(url, k + 1)
+    # round 1 trains while the next round's rollouts are generated (as in RL), then both are applied
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda i: chat(url, prompts[i]), range(TRAIN_PROMPTS)))
+    wait_rounds(url, TRAIN_PROMPTS // ROUND)
     trained = stats(url)
     assert not trained["errors"], trained["errors"]
     assert trained["samples"] >= TRAIN_PROMPTS  # and sglang's start-up warm-up request
@@ -313,30 +313,58 @@ BAD_OPTIONS = [
 ]
 
 
+# One interpreter imports sglang's launcher once, then forks a child per set of options that runs
+# `python -m sglang.launch_server`'s main (plugins loaded there, as always): four cold interpreters
+# importing sglang cost ~70 s of a 2-core machine.
+_FORKED_LAUNCHES = """
+import json, os, runpy, sys, traceback
+import sglang.launch_server, sglang.srt.plugins, sglang_rl.hooks  # noqa: F401 - imported once, before the forks
+model, logs, sets = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+children = {}
+for i, flags in enumerate(sets):
+    pid = os.fork()
+    if pid == 0:
+        for fd, name in ((1, "out"), (2, "err")):
+            os.dup2(os.open(os.path.join(logs, f"{i}.{name}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+        sys.argv = ["sglang.launch_server", "--model-path", model, "--device", "cpu", *flags]
+        code = 0
+        try:
+            runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(code)
+    children[pid] = i
+for _ in sets:
+    pid, status = os.wait()
+    open(os.path.join(logs, f"{children[pid]}.rc"), "w").write(str(os.waitstatus_to_exitcode(status)))
+"""
+
+
 @pytest.fixture(scope="module")
 def refused_starts(model_path: str, tmp_path_factory) -> Iterator:
-    """`launch_server` with each set of bad options, all started at once (each is an interpreter
-    that imports sglang and stops at the options: one core each, mostly)."""
+    """`launch_server`'s main with each set of bad options (`_FORKED_LAUNCHES`), all at once."""
     env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", **e2e_env()}
     logs = tmp_path_factory.mktemp("refused-starts")
-    procs = {}
-    for i, (flags, _) in enumerate(BAD_OPTIONS):
-        with open(logs / f"{i}.out", "w") as out, open(logs / f"{i}.err", "w") as err:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--device", "cpu", *flags],
-                env=env, stdout=out, stderr=err, text=True)
-        procs[flags] = (proc, logs / f"{i}.out", logs / f"{i}.err")
+    sets = [list(flags) for flags, _ in BAD_OPTIONS]
+    launcher = subprocess.Popen([sys.executable, "-c", _FORKED_LAUNCHES, model_path, str(logs), json.dumps(sets)],
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     def result(flags: tuple) -> tuple:
-        proc, out, err = procs[flags]
-        proc.wait(timeout=300)
-        return proc.returncode, out.read_text(), err.read_text()
+        if launcher.poll() is None:
+            launcher.wait(timeout=300)
+        i = sets.index(list(flags))
+        rc = logs / f"{i}.rc"
+        assert rc.exists(), launcher.stdout.read()[-3000:]
+        return int(rc.read_text()), (logs / f"{i}.out").read_text(), (logs / f"{i}.err").read_text()
 
     yield result
-    for proc, _, _ in procs.values():
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    if launcher.poll() is None:
+        launcher.kill()
+        launcher.wait()
 
 
 @pytest.mark.parametrize("flags, reason", BAD_OPTIONS)

@@ -39,10 +39,12 @@ def _greedy(model_path: str) -> list[tuple[torch.Tensor, int, torch.Tensor]]:
     for text in PROMPTS:
         prompt = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                          return_tensors="pt", return_dict=True)["input_ids"]
-        ids = prompt[0]
+        ids, feed, past = prompt[0], prompt, None
         with torch.no_grad():
             for _ in range(NEW_TOKENS):  # plain argmax, end-of-turn included (the server ignores EOS)
-                ids = torch.cat([ids, lm(ids[None]).logits[0, -1].argmax().view(1)])
+                step = lm(feed, past_key_values=past, use_cache=True)
+                feed, past = step.logits[0, -1].argmax().view(1, 1), step.past_key_values
+                ids = torch.cat([ids, feed[0]])
             rows = lm.model(ids[None]).last_hidden_state[0]
         out.append((ids, prompt.shape[1], rows))
     return out
