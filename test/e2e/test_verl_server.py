@@ -6,7 +6,8 @@ verl does. Here they are started exactly so, in a local Ray cluster whose runtim
 one setting a verl user adds (`ray_kwargs.ray_init.runtime_env.worker_process_setup_hook`), with
 the plugin's flags in `engine_kwargs.sglang`: TOPLOC fingerprints and drafter co-training on EAGLE,
 as examples/verl/run_grpo.py configures its co-training arm (verl's config composed with its
-overrides).
+overrides). As in verl, the target starts as dummy weights and then gets real ones pushed; the
+draft must still be the one in its folder.
 Rollouts go through verl's own `generate`; what it returns (the `extra_fields` verl copies into
 its batch) carries each rollout's fingerprint, verified on another server, and its speculative
 counters; the co-training stats come from the server actor. Without the setting, verl refuses the
@@ -24,6 +25,7 @@ from typing import Iterator
 import pytest
 import ray
 import requests
+import torch
 from omegaconf import open_dict
 
 from e2e_servers import EAGER
@@ -61,8 +63,9 @@ def _verl_server(model_path: str, drafter_path: str):
     from verl.workers.rollout.replica import RolloutMode, get_rollout_replica_class
 
     rollout = example_config("cotrain", model_path, drafter_path).actor_rollout_ref.rollout
+    assert rollout.load_format == "dummy"  # verl's: the trainer pushes the target's weights
     with open_dict(rollout):
-        rollout.dtype, rollout.load_format = "float32", "auto"
+        rollout.dtype = "float32"
         rollout.engine_kwargs.sglang.update({**CPU_ARGS, **CPU_COTRAIN})
     config = omega_conf_to_dataclass(rollout)
     model_config = HFModelConfig(path=model_path)
@@ -86,9 +89,20 @@ def verl_server(model_path: str, tmp_path_factory) -> Iterator[tuple]:
         server = _verl_server(model_path, str(draft))
         ray.get(server.launch_server.remote(), timeout=600)
         host, port = ray.get(server.get_server_address.remote())
-        yield server, f"http://{host}:{port}", sample_dir
+        url = f"http://{host}:{port}"
+        # the target starts as dummy weights and gets the trainer's (here: the checkpoint's), as in verl
+        pushed = requests.post(url + "/update_weights_from_disk", json={"model_path": model_path, "load_format": "auto"},
+                               timeout=600)
+        assert pushed.status_code == 200 and pushed.json()["success"], pushed.text
+        yield server, url, sample_dir, (draft, _draft_rows(url))
     finally:
         ray.shutdown()
+
+
+def _draft_rows(url: str) -> list:
+    got = requests.post(url + "/get_draft_weights_by_name", json={"name": "fc.weight", "truncate_size": 2}, timeout=60)
+    assert got.status_code == 200, got.text
+    return got.json()
 
 
 class _Replicas:
@@ -127,7 +141,13 @@ def _prompt_ids(model_path: str, messages: list[dict]) -> list[int]:
 
 def test_verl_rollouts_are_fingerprinted_and_cotrain_the_drafter(verl_server, model_path: str,
                                                                 toploc_server) -> None:
-    server, url, sample_dir = verl_server
+    server, url, sample_dir, (draft, served_draft) = verl_server
+    # the draft came from its folder although verl loads the target as dummy weights
+    # (speculative_draft_load_format=auto in the example's config)
+    from safetensors.torch import load_file
+
+    folder = load_file(str(draft / "model.safetensors"))["fc.weight"][:2].float()
+    assert torch.allclose(torch.tensor(served_draft), folder, atol=1e-6), "the served draft is not the folder's"
     prompts = [_prompt_ids(model_path, m) for m in gsm8k()[300:300 + ROLLOUTS]]
     # verl's own generate (its agent loop's call), greedy as verl's validation runs it
     outs = [ray.get(server.generate.remote(prompt_ids=ids, sampling_params={"temperature": 0, "max_tokens": 24},
