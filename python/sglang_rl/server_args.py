@@ -16,6 +16,7 @@ from sglang.srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
+
 @dataclasses.dataclass
 class RLServerArgs(ServerArgs):
     """sglang's ServerArgs plus the sglang-rl flags."""
