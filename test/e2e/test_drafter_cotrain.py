@@ -80,6 +80,13 @@ def stats(url: str) -> dict:
     return resp.json()
 
 
+def draft_fc_rows(url: str) -> list:
+    """The first two rows of the served draft's fc weight (`/get_draft_weights_by_name`)."""
+    got = requests.post(url + "/get_draft_weights_by_name", json={"name": "fc.weight", "truncate_size": 2}, timeout=60)
+    assert got.status_code == 200, got.text
+    return got.json()
+
+
 def held_out(url: str, prompts: list) -> tuple[float, list[dict]]:
     """Held-out acceptance under the draft now serving, and the responses' messages."""
     before = stats(url)
@@ -281,13 +288,8 @@ def test_client_side_cotrainer_pushes_its_rounds(cotrain_server: Server, model_p
         trainer.add(resp.json())
     assert [m["round"] for m in trainer.history] == [1], trainer.history
     assert "loaded" in trainer.history[0]["push"]
-    got = requests.post(cotrain_server.url + "/get_draft_weights_by_name",
-                        json={"name": "fc.weight", "truncate_size": 2}, timeout=60)
-    assert got.status_code == 200, got.text
-    import torch
-
     expected = trainer.loop.trainer.model.fc.weight.detach()[:2]
-    assert torch.allclose(torch.tensor(got.json()), expected, atol=1e-6)
+    assert torch.allclose(torch.tensor(draft_fc_rows(cotrain_server.url)), expected, atol=1e-6)
     assert stats(cotrain_server.url)["samples"] == before["samples"]
 
 
@@ -350,15 +352,16 @@ def refused_starts(model_path: str, tmp_path_factory) -> Iterator:
     env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", **e2e_env()}
     logs = tmp_path_factory.mktemp("refused-starts")
     sets = [list(flags) for flags, _ in BAD_OPTIONS]
-    launcher = subprocess.Popen([sys.executable, "-c", _FORKED_LAUNCHES, model_path, str(logs), json.dumps(sets)],
-                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    with open(logs / "launcher.log", "w") as out:
+        launcher = subprocess.Popen([sys.executable, "-c", _FORKED_LAUNCHES, model_path, str(logs), json.dumps(sets)],
+                                    env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
 
     def result(flags: tuple) -> tuple:
         if launcher.poll() is None:
             launcher.wait(timeout=300)
         i = sets.index(list(flags))
         rc = logs / f"{i}.rc"
-        assert rc.exists(), launcher.stdout.read()[-3000:]
+        assert rc.exists(), (logs / "launcher.log").read_text()[-3000:]
         return int(rc.read_text()), (logs / f"{i}.out").read_text(), (logs / f"{i}.err").read_text()
 
     yield result

@@ -11,10 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
 
 import pytest
-import requests
 
 from e2e_servers import EAGER, LOG_DIR, Server, start_server
-from test_drafter_cotrain import chat, gsm8k, init_drafter, stats
+from test_drafter_cotrain import chat, draft_fc_rows, gsm8k, init_drafter, stats
 
 ROUND = 4
 FLAGS = ("--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
@@ -71,18 +70,12 @@ def shared(model_path: str, tmp_path_factory) -> Iterator[tuple]:
             trainer.wait()
 
 
-def _draft_row(url: str) -> list:
-    got = requests.post(url + "/get_draft_weights_by_name", json={"name": "fc.weight", "truncate_size": 2}, timeout=60)
-    assert got.status_code == 200, got.text
-    return got.json()
-
-
 def test_two_servers_share_one_trainer(shared: tuple) -> None:
     trainer, (a, b), log = shared
     start = [stats(s.url) for s in (a, b)]
     assert all(s["trainer_alive"] and s["rounds"] == 0 for s in start), start
-    before = _draft_row(a.url)
-    assert _draft_row(b.url) == before
+    before = draft_fc_rows(a.url)
+    assert draft_fc_rows(b.url) == before
     prompts = gsm8k()
     # two rounds' worth of rollouts, half on each server
     with ThreadPoolExecutor(4) as pool:
@@ -97,7 +90,7 @@ def test_two_servers_share_one_trainer(shared: tuple) -> None:
     assert sa["loss"] == sb["loss"] and sa["round_seconds"] == sb["round_seconds"], (sa, sb)
     # the rounds trained on both servers' rollouts, and both serve the same new draft
     assert sa["samples"] > 0 and sb["samples"] > 0 and sa["trainer_received"] > max(sa["samples"], sb["samples"])
-    assert _draft_row(a.url) == _draft_row(b.url) != before
+    assert draft_fc_rows(a.url) == draft_fc_rows(b.url) != before
     assert not sa["errors"] and not sb["errors"], (sa["errors"], sb["errors"])
     assert "round 1: loss" in log.read_text()
 

@@ -29,7 +29,7 @@ import torch
 from omegaconf import open_dict
 
 from e2e_servers import EAGER
-from test_drafter_cotrain import gsm8k, init_drafter
+from test_drafter_cotrain import draft_fc_rows, gsm8k, init_drafter
 from sglang_rl.request_options import FINGERPRINTS_FIELD
 from toploc_helpers import assert_fingerprints_verify
 from verl_example import example_config
@@ -94,15 +94,9 @@ def verl_server(model_path: str, tmp_path_factory) -> Iterator[tuple]:
         pushed = requests.post(url + "/update_weights_from_disk", json={"model_path": model_path, "load_format": "auto"},
                                timeout=600)
         assert pushed.status_code == 200 and pushed.json()["success"], pushed.text
-        yield server, url, sample_dir, (draft, _draft_rows(url))
+        yield server, url, sample_dir, (draft, draft_fc_rows(url))
     finally:
         ray.shutdown()
-
-
-def _draft_rows(url: str) -> list:
-    got = requests.post(url + "/get_draft_weights_by_name", json={"name": "fc.weight", "truncate_size": 2}, timeout=60)
-    assert got.status_code == 200, got.text
-    return got.json()
 
 
 class _Replicas:
