@@ -158,12 +158,16 @@ def test_server_info_differs_only_by_plugin_flags(servers) -> None:
     import dataclasses
 
     import requests
-    from sglang.srt.server_args import ServerArgs
 
     from differential import VOLATILE_KEYS, first_difference, strip
     from sglang_rl.server_args import RLServerArgs
 
-    plugin_keys = {f.name for f in dataclasses.fields(RLServerArgs)} - {f.name for f in dataclasses.fields(ServerArgs)}
+    # sglang's own class, which RLServerArgs extends: once a plugin has loaded in this process (an
+    # Engine test), sglang.srt.server_args.ServerArgs names the subclass
+    upstream = RLServerArgs.__bases__[0]
+    assert (upstream.__module__, upstream.__name__) == ("sglang.srt.server_args", "ServerArgs"), upstream
+    plugin_keys = {f.name for f in dataclasses.fields(RLServerArgs)} - {f.name for f in dataclasses.fields(upstream)}
+    assert plugin_keys, "RLServerArgs adds no field to sglang's ServerArgs"
     oracle = requests.get(servers["oracle"].url + "/get_server_info", timeout=60).json()
     for name in ("plugin", "toploc"):
         info = requests.get(servers[name].url + "/get_server_info", timeout=60).json()
