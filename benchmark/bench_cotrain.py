@@ -126,7 +126,8 @@ class CotrainRun:
 
     def __init__(self, args: argparse.Namespace, llm: Any, train: list, held: list) -> None:
         self.args, self.llm, self.train, self.held = args, llm, train, held
-        self.sp = {"max_new_tokens": args.max_new_tokens, "temperature": 0}
+        self.sp = {"max_new_tokens": args.max_new_tokens, "temperature": 0}  # held-out acceptance: greedy
+        self.train_sp = {"max_new_tokens": args.max_new_tokens, "temperature": args.train_temperature}
         self.cursor = 0
         self.train_tokens = 0
         self.train_seconds = 0.0
@@ -160,7 +161,7 @@ class CotrainRun:
         batch = [self.train[(self.cursor + i) % len(self.train)] for i in range(n)]
         self.cursor += n
         t = time.perf_counter()
-        outs = self.llm.generate(input_ids=batch, sampling_params=self.sp)
+        outs = self.llm.generate(input_ids=batch, sampling_params=self.train_sp)
         self.train_seconds += time.perf_counter() - t
         self.train_tokens += spec_counts(outs)[0]
 
@@ -545,6 +546,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-init", help="random-init drafter folder (made with sglang_rl.drafter init if missing)")
     p.add_argument("--rollouts", type=int, default=2000, help="training rollouts before the drift test")
     p.add_argument("--samples-per-round", type=int, default=64)
+    p.add_argument("--train-temperature", type=float, default=0.0,
+                   help="sampling temperature of the training rollouts (held-out acceptance stays greedy)")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--samples-per-step", type=int, default=16)

@@ -4,12 +4,13 @@
 # usage: benchmark/bench_verl_grpo.sh MODEL_DIR OUT_DIR [hydra overrides ...]
 #   BATCH (64 prompts per step), N (8 rollouts per prompt), PYTHON (python3), GSM8K (a GSM8K .jsonl instead of the dataset package's), STEPS (30),
 #   ARMS ("plain eagle cotrain"), GPUS (2), FIXED_DRAFTER (the eagle arm's drafter; default: one
-#   trained offline on the initial policy's rollouts of the train prompts, OFFLINE_BUDGET_S (600)
-#   seconds with benchmark/bench_cotrain.py, from the random-init drafter the co-training arm
-#   starts from), SAMPLE_RATE (the share of rollouts kept for the audit, 0.05), AUDIT (1; 0 skips the
-#   audit), CALIBRATION (the verifier's calibration file), VERIFIER_ARGS (its other flags)
+#   trained offline on the initial policy's rollouts of the train prompts, sampled at temperature 1
+#   as verl samples them, for OFFLINE_BUDGET_S (600) seconds with benchmark/bench_cotrain.py, from
+#   the random-init drafter the co-training arm starts from), SAMPLE_RATE (the share of rollouts
+#   kept for the audit, 0.05), AUDIT (1; 0 skips the audit), CALIBRATION (the verifier's
+#   calibration file), VERIFIER_ARGS (its other flags)
 set -euo pipefail
-if [ $# -lt 2 ] || [ "$1" = -h ] || [ "$1" = --help ]; then sed -n '2,10p' "$0" | cut -c3-; exit 0; fi
+if [ $# -lt 2 ] || [ "$1" = -h ] || [ "$1" = --help ]; then sed -n '2,11p' "$0" | cut -c3-; exit 0; fi
 cd "$(dirname "$0")/.."
 MODEL=$1 OUT=$2
 shift 2
@@ -21,7 +22,7 @@ if [[ " $ARMS " == *" eagle "* && -z "${FIXED_DRAFTER:-}" && ! -d "$OUT/drafter_
   echo "=== offline drafter: $(date -u +%FT%TZ)"
   $PY benchmark/bench_cotrain.py train --model-path "$MODEL" --gsm8k "$OUT/data/train_prompts.jsonl" \
     --out "$OUT/offline" --tag offline --draft-init "$OUT/drafter_init" --held-out 64 --drift-rounds 0 \
-    --budget-s "${OFFLINE_BUDGET_S:-600}" --samples-per-round 128 --steps 200 --lr 1e-3 \
+    --budget-s "${OFFLINE_BUDGET_S:-600}" --samples-per-round 128 --steps 200 --lr 1e-3 --train-temperature 1 \
     --save-drafter "$OUT/drafter_offline" > "$OUT/offline.log" 2>&1 || tail -30 "$OUT/offline.log"
 fi
 for arm in $ARMS; do
