@@ -127,7 +127,7 @@ class CotrainRun:
     def __init__(self, args: argparse.Namespace, llm: Any, train: list, held: list) -> None:
         self.args, self.llm, self.train, self.held = args, llm, train, held
         self.sp = {"max_new_tokens": args.max_new_tokens, "temperature": 0}  # held-out acceptance: greedy
-        self.train_sp = {"max_new_tokens": args.max_new_tokens, "temperature": args.train_temperature}
+        self.train_sp = {**self.sp, "temperature": args.train_temperature}
         self.cursor = 0
         self.train_tokens = 0
         self.train_seconds = 0.0
