@@ -4,7 +4,9 @@ verl 0.9.1's v1 trainers are chosen by name (`trainer.v1.trainer_mode`) from ver
 registry (`register_trainer`). `activate.py` registers this one as `sglang_rl_sync` once verl's
 `verl.trainer.ppo.v1` package is imported. It is verl's `sync` trainer; after each step's weight
 update it asks every rollout server for its co-training statistics and hands them to the metrics
-verl logs for that step (`cotrain/*`, see `step_metrics`).
+verl logs for that step (`cotrain/*`, see `step_metrics`). Its replay buffer looks for finished
+rollouts every `trainer.v1.sampler.poll_interval` seconds (0.1 unless set) instead of verl's fixed
+2 s, which rounds every rollout up to the next 2 s (a 2.1 s rollout counts, and waits, 4 s).
 
     trainer.v1.trainer_mode=sglang_rl_sync
 """
@@ -22,6 +24,7 @@ logger = logging.getLogger(__name__)
 
 TRAINER_MODE = "sglang_rl_sync"
 STATS_TIMEOUT_S = 60.0
+POLL_INTERVAL_S = 0.1  # verl's ReplayBuffer default is 2.0 and its trainer passes none
 
 
 def _last(values: list) -> Optional[float]:
@@ -75,6 +78,13 @@ class SGLangRLTrainerSync(PPOTrainerSync):
             config.trainer.v1.trainer_mode = "sync"
         super().__init__(config)
         self._cotrain_rounds = 0
+
+    def _build_replay_buffer(self) -> Any:
+        """verl's replay buffer, polling for finished rollouts every `poll_interval` seconds."""
+        buffer = super()._build_replay_buffer()
+        if hasattr(buffer, "poll_interval"):  # verl's own buffers; a custom sampler keeps its own
+            buffer.poll_interval = float(self.config.trainer.v1.sampler.get("poll_interval", POLL_INTERVAL_S))
+        return buffer
 
     def on_step_end(self) -> None:
         super().on_step_end()

@@ -1,10 +1,13 @@
-"""The co-training metrics the sglang_rl_sync trainer hands to verl's tracker each RL step."""
+"""The sglang_rl_sync trainer: the co-training metrics it hands to verl's tracker each RL step, and
+how often its replay buffer looks for finished rollouts."""
 
 from __future__ import annotations
 
 import pytest
+from omegaconf import open_dict
 
-from sglang_rl.integrations.verl.trainer import step_metrics
+from sglang_rl.integrations.verl.trainer import POLL_INTERVAL_S, step_metrics
+from verl_example import example_config
 
 
 def _stats(rounds: int, loss: list, acceptance: list, held_out: list, version: int = 3, alive: bool = True,
@@ -32,3 +35,27 @@ def test_before_any_round_there_is_no_loss_and_a_dead_trainer_shows() -> None:
     metrics = step_metrics([_stats(0, [], [None], [None], alive=False, errors=("boom",))], rounds_before=0)
     assert "cotrain/loss" not in metrics and "cotrain/acceptance_length" not in metrics
     assert metrics["cotrain/trainer_alive"] == 0.0 and metrics["cotrain/errors"] == 1
+
+
+def _replay_buffer(mode: str, model_path: str, poll_interval: float | None = None):
+    """The replay buffer verl's trainer of `mode` builds from the example's config."""
+    from sglang_rl.integrations.verl.activate import load_plugins_first
+
+    load_plugins_first()
+    from verl.trainer.ppo.v1 import get_trainer_cls
+
+    cls = get_trainer_cls(mode)
+    trainer = cls.__new__(cls)  # only the buffer: no Ray, no workers
+    trainer.config, trainer.trainer_mode = example_config("cotrain", model_path, "/drafter"), "sync"
+    if poll_interval is not None:
+        with open_dict(trainer.config):
+            trainer.config.trainer.v1.sampler.poll_interval = poll_interval
+    return trainer._build_replay_buffer()
+
+
+def test_replay_buffer_polls_often_enough_not_to_round_rollouts_up(model_path: str) -> None:
+    # verl's sync sample loop sleeps poll_interval between looks: 2 s rounds a 2.1 s rollout up to 4 s
+    assert _replay_buffer("sync", model_path).poll_interval == 2.0
+    ours = _replay_buffer("sglang_rl_sync", model_path)
+    assert type(ours) is type(_replay_buffer("sync", model_path)) and ours.poll_interval == POLL_INTERVAL_S < 0.5
+    assert _replay_buffer("sglang_rl_sync", model_path, poll_interval=0.5).poll_interval == 0.5
