@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The verl GRPO example's arms one after another on one host, then the per-step table.
+# The verl GRPO example's arms on one host (one after another, or at once with ARM_GPUS), then the
+# per-step table and the audit.
 #
 # usage: benchmark/bench_verl_grpo.sh MODEL_DIR OUT_DIR [hydra overrides ...]
 #   BATCH (64 prompts per step), N (8 rollouts per prompt), PYTHON (python3), GSM8K (a GSM8K .jsonl instead of the dataset package's), STEPS (30),
@@ -8,16 +9,33 @@
 #   as verl samples them, for OFFLINE_BUDGET_S (600) seconds with benchmark/bench_cotrain.py, from
 #   the random-init drafter the co-training arm starts from), SAMPLE_RATE (the share of rollouts
 #   kept for the audit, 0.05), AUDIT (1; 0 skips the audit), CALIBRATION (the verifier's
-#   calibration file), VERIFIER_ARGS (its other flags)
+#   calibration file), VERIFIER_ARGS (its other flags), ARM_GPUS (one GPU per arm, e.g. "0 1 2":
+#   the arms run at once, each on its GPU with GPUS=1 and its own Ray cluster; default: one after
+#   another on every visible GPU)
 set -euo pipefail
-if [ $# -lt 2 ] || [ "$1" = -h ] || [ "$1" = --help ]; then sed -n '2,11p' "$0" | cut -c3-; exit 0; fi
+if [ $# -lt 2 ] || [ "$1" = -h ] || [ "$1" = --help ]; then sed -n '2,14p' "$0" | cut -c3-; exit 0; fi
 cd "$(dirname "$0")/.."
 MODEL=$1 OUT=$2
 shift 2
 BATCH=${BATCH:-64} N=${N:-8} PY=${PYTHON:-python3} STEPS=${STEPS:-30} ARMS=${ARMS:-"plain eagle cotrain"} GPUS=${GPUS:-2}
+[ -n "${SKIP_ARMS:-}" ] && ARMS=""  # the table and the audit of arms already run
 mkdir -p "$OUT"
 [ -f "$OUT/data/train.parquet" ] || $PY examples/verl/prepare_gsm8k.py --out "$OUT/data" ${GSM8K:+--source "$GSM8K"}
 [ -d "$OUT/drafter_init" ] || $PY -m sglang_rl.drafter init --model-path "$MODEL" --out "$OUT/drafter_init"
+if [ -n "${ARM_GPUS:-}" ]; then  # each arm on its own GPU, at once: this script again per arm
+  read -r -a arms <<< "$ARMS"; read -r -a gpus <<< "$ARM_GPUS"
+  [ ${#gpus[@]} -ge ${#arms[@]} ] || { echo "ARM_GPUS names ${#gpus[@]} GPUs for ${#arms[@]} arms" >&2; exit 2; }
+  pids=()
+  for i in "${!arms[@]}"; do
+    CUDA_VISIBLE_DEVICES=${gpus[$i]} ARMS=${arms[$i]} GPUS=1 ARM_GPUS= AUDIT=0 NO_TABLE=1 \
+      bash "$0" "$MODEL" "$OUT" "$@" > "$OUT/run_${arms[$i]}.log" 2>&1 &
+    pids+=($!)
+  done
+  status=0
+  for i in "${!pids[@]}"; do wait "${pids[$i]}" || { status=1; echo "arm ${arms[$i]} failed:"; tail -20 "$OUT/run_${arms[$i]}.log"; }; done
+  SKIP_ARMS=1 ARM_GPUS= CUDA_VISIBLE_DEVICES=${gpus[0]} bash "$0" "$MODEL" "$OUT" "$@"  # the table and the audit
+  exit $status
+fi
 if [[ " $ARMS " == *" eagle "* && -z "${FIXED_DRAFTER:-}" && ! -d "$OUT/drafter_offline" ]]; then
   echo "=== offline drafter: $(date -u +%FT%TZ)"
   $PY benchmark/bench_cotrain.py train --model-path "$MODEL" --gsm8k "$OUT/data/train_prompts.jsonl" \
@@ -36,6 +54,7 @@ for arm in $ARMS; do
     actor_rollout_ref.rollout.n="$N" "$@" \
     > "$OUT/$arm.log" 2>&1 || { echo "arm $arm failed:"; tail -40 "$OUT/$arm.log"; }
 done
+[ -n "${NO_TABLE:-}" ] && exit 0
 $PY benchmark/verl_grpo_table.py "$OUT/logs/sglang-rl-gsm8k" --samples-per-step $((BATCH * N)) \
   $($PY -c "import matplotlib" 2>/dev/null && echo --png "$OUT/grpo.png") || echo "no table (see the arms' logs)"
 # the audit: 256 random co-training rollouts on a separate verifier with calibrated bounds
