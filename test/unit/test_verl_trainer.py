@@ -55,7 +55,7 @@ def _replay_buffer(mode: str, model_path: str, poll_interval: float | None = Non
 
 def test_replay_buffer_polls_often_enough_not_to_round_rollouts_up(model_path: str) -> None:
     # verl's sync sample loop sleeps poll_interval between looks: 2 s rounds a 2.1 s rollout up to 4 s
-    assert _replay_buffer("sync", model_path).poll_interval == 2.0
-    ours = _replay_buffer("sglang_rl_sync", model_path)
-    assert type(ours) is type(_replay_buffer("sync", model_path)) and ours.poll_interval == POLL_INTERVAL_S < 0.5
+    verls, ours = _replay_buffer("sync", model_path), _replay_buffer("sglang_rl_sync", model_path)
+    assert verls.poll_interval == 2.0
+    assert type(ours) is type(verls) and ours.poll_interval == POLL_INTERVAL_S < 0.5
     assert _replay_buffer("sglang_rl_sync", model_path, poll_interval=0.5).poll_interval == 0.5
