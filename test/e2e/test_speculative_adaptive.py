@@ -18,8 +18,8 @@ from e2e_servers import EAGER, Prepared, Server, Spec, server_fixture
 from test_drafter_cotrain import chat, gsm8k, init_drafter, stats, wait_rounds
 from toploc_helpers import assert_fingerprints_verify
 
-PROMPTS = range(8)
-ROUND = 4
+PROMPTS = range(4)
+ROUND = 2
 # every batch size may draft 3 steps or none; the acceptance decides, looked at every 2 batches
 ADAPTIVE_CONFIG = {"1": {"candidate_steps": [0, 3], "warmup_batches": 2, "update_interval": 2}}
 
