@@ -4,9 +4,10 @@
 - `sglang.Engine(..., toploc_verification=True)` takes the flag as a kwarg, and
   `engine.generate(..., return_output_ids=True)` returns fingerprints in meta_info, which verify
   through the Engine too (run in a subprocess script: plugins patch sglang process-wide);
-- a server with the plugin disabled (SGLANG_PLUGINS=none-other-plugin whitelists a plugin that
-  does not exist) and a server with the plugin loaded but no flag give the same greedy text and
-  the same response fields, none of them sglang-rl's.
+- a server with the plugin disabled (`disabled_server`: SGLANG_PLUGINS names only the CPU
+  stand-in's plugin) and a server with the plugin loaded but no sglang-rl flag
+  (`hs_noradix_server`, the same flags) give the same greedy text and the same response fields,
+  none of them sglang-rl's.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import textwrap
 
 import pytest
 
-from e2e_servers import POOL, Spec, e2e_env, server_fixture
+from e2e_servers import POOL, e2e_env
 from sglang_rl.fingerprint import decode_fingerprint
 from toploc_helpers import RL_FIELDS, gen_generate, pmap, post, record, verify_tokens
 
@@ -30,7 +31,6 @@ FLAGS = (
     "--toploc-verification-max-mant-err-mean",
     "--toploc-verification-max-mant-err-median",
 )
-DISABLED = {"SGLANG_PLUGINS": "none-other-plugin"}
 
 ENGINE_SCRIPT = textwrap.dedent('''
     import json
@@ -90,11 +90,6 @@ def _env(extra: dict | None = None) -> dict:
     return {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", **e2e_env(extra)}
 
 
-DISABLED_SERVER = Spec("disabled", env=DISABLED)
-disabled_server = server_fixture(DISABLED_SERVER, scope="module",
-                                 doc="The plugin disabled: SGLANG_PLUGINS names a plugin that does not exist.")
-
-
 @pytest.fixture(scope="module")
 def launched(model_path, tmp_path_factory) -> dict:
     """Help texts and the Engine script run as subprocesses (while the disabled server starts, if
@@ -109,7 +104,7 @@ def launched(model_path, tmp_path_factory) -> dict:
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
     }
     try:
-        POOL.ensure_started(DISABLED_SERVER.key)
+        POOL.ensure_started("disabled")  # conftest.py: disabled_server
         outputs = {}
         for name, proc in procs.items():
             out, _ = proc.communicate(timeout=900)
@@ -207,9 +202,8 @@ def _collect(url: str) -> list[dict]:
     return pmap(one, PROMPTS, workers=4)
 
 
-def test_disabled_plugin_and_unflagged_plugin_answer_the_same(disabled_server, plain_server) -> None:
-    disabled = disabled_server
-    with_plugin, without_plugin = _collect(plain_server.url), _collect(disabled.url)
+def test_disabled_plugin_and_unflagged_plugin_answer_the_same(disabled_server, hs_noradix_server) -> None:
+    with_plugin, without_plugin = _collect(hs_noradix_server.url), _collect(disabled_server.url)
     for prompt, a, b in zip(PROMPTS, with_plugin, without_plugin):
         for kind in ("generate", "completions", "chat"):
             _no_rl_fields(a[kind], f"plugin loaded, {kind}")
@@ -226,11 +220,11 @@ def test_disabled_plugin_and_unflagged_plugin_answer_the_same(disabled_server, p
            texts=[a["generate"]["text"] for a in with_plugin])
 
 
-def test_plugin_is_really_loaded_on_one_and_not_the_other(disabled_server, plain_server) -> None:
+def test_plugin_is_really_loaded_on_one_and_not_the_other(disabled_server, hs_noradix_server) -> None:
     """return_output_ids is served by the plugin even without --toploc-verification; the disabled
     server does not know the field (so the comparison above compares the two situations)."""
     body = {"text": "Hello", "sampling_params": {"max_new_tokens": 3, "temperature": 0}, "return_output_ids": True}
-    loaded = post(plain_server.url, "/generate", body)
+    loaded = post(hs_noradix_server.url, "/generate", body)
     assert loaded.status_code == 200 and len(loaded.json()["meta_info"]["output_ids"]) == 3
     assert "toploc_verification_fingerprints" not in loaded.json()["meta_info"]
     off = post(disabled_server.url, "/generate", body)

@@ -1,7 +1,7 @@
 """With the plugin loaded, sglang's own API answers exactly as sglang does.
 
-The oracle is the same CPU server with the plugin disabled (`SGLANG_PLUGINS` names only the CPU
-stand-in's own plugin). Every case goes to it and to two servers with the plugin loaded, all with
+The oracle is the same CPU server with the plugin disabled (`disabled_server`: `SGLANG_PLUGINS`
+names only the CPU stand-in's own plugin). Every case goes to it and to two servers with the plugin loaded, all with
 the same flags (`--enable-return-hidden-states --disable-radix-cache`): one with no plugin feature
 on (`hs_noradix_server`) and one with `--toploc-verification`, whose fingerprints (asked for by
 that flag) are the only field it may add. A case that sets plugin fields is sent to the oracle
@@ -17,7 +17,6 @@ from differential import Case, compare
 from e2e_servers import Server, Spec, server_fixture
 
 FLAGS = ("--enable-return-hidden-states", "--disable-radix-cache")
-ORACLE_ENV = {"SGLANG_PLUGINS": "sgl_kernel_cpu_standin"}
 FINGERPRINTS = ("toploc_verification_fingerprints",)
 
 PROMPT = "The capital of France is"
@@ -114,15 +113,13 @@ PLUGIN_CASES = [
 ]
 
 
-ORACLE = Spec("differential-oracle", FLAGS, env=ORACLE_ENV)
 TOPLOC = Spec("differential-toploc", (*FLAGS, "--toploc-verification"))
-oracle_server = server_fixture(ORACLE, scope="module", doc="sglang alone: the plugin disabled.")
 differential_toploc_server = server_fixture(TOPLOC, scope="module")
 
 
 @pytest.fixture(scope="module")
-def servers(oracle_server, hs_noradix_server, differential_toploc_server) -> dict[str, Server]:
-    return {"oracle": oracle_server, "plugin": hs_noradix_server, "toploc": differential_toploc_server}
+def servers(disabled_server, hs_noradix_server, differential_toploc_server) -> dict[str, Server]:
+    return {"oracle": disabled_server, "plugin": hs_noradix_server, "toploc": differential_toploc_server}
 
 
 def _differences(servers: dict[str, Server], cases: list[Case]) -> list[str]:
