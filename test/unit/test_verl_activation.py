@@ -10,18 +10,14 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from sglang_rl.adapters import rollout_records
 from sglang_rl.request_options import FINGERPRINTS_FIELD
 
-
-def _run(code: str) -> str:
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return run.stdout
-
-
-def test_hook_registers_the_replica_and_the_trainer_lazily() -> None:
-    out = _run(
+# each runs in a fresh interpreter, all at once (importing verl takes seconds); the tests read the outputs
+SCRIPTS = {
+    "lazily": (
         "import sys\n"
         "from sglang_rl.integrations.verl.activate import load_plugins_first\n"
         "load_plugins_first()\n"
@@ -36,16 +32,8 @@ def test_hook_registers_the_replica_and_the_trainer_lazily() -> None:
         "cls = get_trainer_cls('sglang_rl_sync')\n"
         "print('trainer:', cls.__name__, cls.__mro__[1].__name__)\n"
         "print('sync untouched:', get_trainer_cls('sync').__name__)\n"
-    )
-    assert "imported before: False False False" in out, out
-    assert "replica: SGLangRLReplica SGLangReplica" in out, out
-    assert "server args: RLServerArgs" in out, out
-    assert "trainer: SGLangRLTrainerSync PPOTrainerSync" in out, out
-    assert "sync untouched: PPOTrainerSync" in out, out
-
-
-def test_hook_after_verl_was_imported_acts_at_once() -> None:
-    out = _run(
+    ),
+    "after_import": (
         "import verl.workers.rollout.replica as r\n"
         "from sglang_rl.integrations.verl.activate import load_plugins_first\n"
         "load_plugins_first()\n"
@@ -54,19 +42,46 @@ def test_hook_after_verl_was_imported_acts_at_once() -> None:
         "print('wraps verl:', loader.__closure__[0].cell_contents.__name__)\n"
         "print('replica:', r.get_rollout_replica_class('sglang').__name__)\n"
         "print('vllm untouched:', r.RolloutReplicaRegistry._registry['vllm'].__name__)\n"
-    )
-    assert "replica: SGLangRLReplica" in out and "vllm untouched: _load_vllm" in out, out
-    assert "wraps verl: _load_sglang" in out, out
-
-
-def test_without_the_hook_verl_knows_no_such_trainer() -> None:
-    out = _run(
+    ),
+    "without_hook": (
         "from verl.trainer.ppo.v1 import get_trainer_cls\n"
         "try:\n"
         "    get_trainer_cls('sglang_rl_sync')\n"
         "except ValueError as exc:\n"
         "    print('refused:', exc)\n"
-    )
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def scripts_run() -> dict[str, str]:
+    procs = {name: subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True) for name, code in SCRIPTS.items()}
+    outputs = {}
+    for name, proc in procs.items():
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, (name, err[-3000:])
+        outputs[name] = out
+    return outputs
+
+
+def test_hook_registers_the_replica_and_the_trainer_lazily(scripts_run: dict) -> None:
+    out = scripts_run["lazily"]
+    assert "imported before: False False False" in out, out
+    assert "replica: SGLangRLReplica SGLangReplica" in out, out
+    assert "server args: RLServerArgs" in out, out
+    assert "trainer: SGLangRLTrainerSync PPOTrainerSync" in out, out
+    assert "sync untouched: PPOTrainerSync" in out, out
+
+
+def test_hook_after_verl_was_imported_acts_at_once(scripts_run: dict) -> None:
+    out = scripts_run["after_import"]
+    assert "replica: SGLangRLReplica" in out and "vllm untouched: _load_vllm" in out, out
+    assert "wraps verl: _load_sglang" in out, out
+
+
+def test_without_the_hook_verl_knows_no_such_trainer(scripts_run: dict) -> None:
+    out = scripts_run["without_hook"]
     assert "refused: Unknown trainer 'sglang_rl_sync'" in out, out
 
 
