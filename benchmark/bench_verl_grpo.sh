@@ -10,10 +10,12 @@
 #   the random-init drafter the co-training arm starts from), SAMPLE_RATE (the share of rollouts
 #   kept for the audit, 0.05), AUDIT (1; 0 skips the audit), CALIBRATION (the verifier's
 #   calibration file), VERIFIER_ARGS (its other flags), ARM_GPUS (one GPU per arm, e.g. "0 1 2":
-#   the arms run at once, each on its GPU with GPUS=1 and its own Ray cluster; default: one after
-#   another on every visible GPU)
+#   the offline drafter is trained first on the first of them, then the arms run at once, each on
+#   its GPU with GPUS=1 and its own Ray cluster; default: one after another on every visible GPU),
+#   COTRAIN_DRAFTER (the cotrain arm's first drafter: "init", the random-init one (default), or
+#   "offline", the eagle arm's)
 set -euo pipefail
-if [ $# -lt 2 ] || [ "$1" = -h ] || [ "$1" = --help ]; then sed -n '2,14p' "$0" | cut -c3-; exit 0; fi
+if [ $# -lt 2 ] || [ "$1" = -h ] || [ "$1" = --help ]; then sed -n '2,16p' "$0" | cut -c3-; exit 0; fi
 cd "$(dirname "$0")/.."
 MODEL=$1 OUT=$2
 shift 2
@@ -22,6 +24,18 @@ BATCH=${BATCH:-64} N=${N:-8} PY=${PYTHON:-python3} STEPS=${STEPS:-30} ARMS=${ARM
 mkdir -p "$OUT"
 [ -f "$OUT/data/train.parquet" ] || $PY examples/verl/prepare_gsm8k.py --out "$OUT/data" ${GSM8K:+--source "$GSM8K"}
 [ -d "$OUT/drafter_init" ] || $PY -m sglang_rl.drafter init --model-path "$MODEL" --out "$OUT/drafter_init"
+case ${COTRAIN_DRAFTER:-init} in init|offline) ;; *) echo "COTRAIN_DRAFTER must be init or offline" >&2; exit 2;; esac
+fixed_drafter=${FIXED_DRAFTER:-$OUT/drafter_offline}
+# the offline drafter: the eagle arm serves it, and the cotrain arm starts from it with COTRAIN_DRAFTER=offline
+if [[ ( " $ARMS " == *" eagle "* || ( " $ARMS " == *" cotrain "* && ${COTRAIN_DRAFTER:-init} == offline ) )
+      && -z "${FIXED_DRAFTER:-}" && ! -d "$OUT/drafter_offline" ]]; then
+  echo "=== offline drafter: $(date -u +%FT%TZ)"
+  on_gpu=(); [ -z "${ARM_GPUS:-}" ] || on_gpu=(env "CUDA_VISIBLE_DEVICES=${ARM_GPUS%% *}")
+  "${on_gpu[@]}" $PY benchmark/bench_cotrain.py train --model-path "$MODEL" --gsm8k "$OUT/data/train_prompts.jsonl" \
+    --out "$OUT/offline" --tag offline --draft-init "$OUT/drafter_init" --held-out 64 --drift-rounds 0 \
+    --budget-s "${OFFLINE_BUDGET_S:-600}" --samples-per-round 128 --steps 200 --lr 1e-3 --train-temperature 1 \
+    --save-drafter "$OUT/drafter_offline" > "$OUT/offline.log" 2>&1 || tail -30 "$OUT/offline.log"
+fi
 if [ -n "${ARM_GPUS:-}" ]; then  # each arm on its own GPU, at once: this script again per arm
   read -r -a arms <<< "$ARMS"; read -r -a gpus <<< "$ARM_GPUS"
   [ ${#gpus[@]} -ge ${#arms[@]} ] || { echo "ARM_GPUS names ${#gpus[@]} GPUs for ${#arms[@]} arms" >&2; exit 2; }
@@ -36,16 +50,10 @@ if [ -n "${ARM_GPUS:-}" ]; then  # each arm on its own GPU, at once: this script
   SKIP_ARMS=1 ARM_GPUS= CUDA_VISIBLE_DEVICES=${gpus[0]} bash "$0" "$MODEL" "$OUT" "$@"  # the table and the audit
   exit $status
 fi
-if [[ " $ARMS " == *" eagle "* && -z "${FIXED_DRAFTER:-}" && ! -d "$OUT/drafter_offline" ]]; then
-  echo "=== offline drafter: $(date -u +%FT%TZ)"
-  $PY benchmark/bench_cotrain.py train --model-path "$MODEL" --gsm8k "$OUT/data/train_prompts.jsonl" \
-    --out "$OUT/offline" --tag offline --draft-init "$OUT/drafter_init" --held-out 64 --drift-rounds 0 \
-    --budget-s "${OFFLINE_BUDGET_S:-600}" --samples-per-round 128 --steps 200 --lr 1e-3 --train-temperature 1 \
-    --save-drafter "$OUT/drafter_offline" > "$OUT/offline.log" 2>&1 || tail -30 "$OUT/offline.log"
-fi
 for arm in $ARMS; do
   drafter=$OUT/drafter_init
-  [ "$arm" = eagle ] && drafter=${FIXED_DRAFTER:-$OUT/drafter_offline}
+  [ "$arm" = eagle ] && drafter=$fixed_drafter
+  [ "$arm" = cotrain ] && [ "${COTRAIN_DRAFTER:-init}" = offline ] && drafter=$fixed_drafter
   echo "=== arm $arm: $(date -u +%FT%TZ)"
   VERL_FILE_LOGGER_ROOT=$OUT/logs $PY examples/verl/run_grpo.py --arm "$arm" --model-path "$MODEL" \
     --drafter-path "$drafter" --data-dir "$OUT/data" --steps "$STEPS" --gpus "$GPUS" \
