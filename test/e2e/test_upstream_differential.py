@@ -1,12 +1,12 @@
 """With the plugin loaded, sglang's own API answers exactly as sglang does.
 
 The oracle is the same CPU server with the plugin disabled (`disabled_server`: `SGLANG_PLUGINS`
-names only the CPU stand-in's own plugin). Every case goes to it and to two servers with the plugin loaded, all with
-the same flags (`--enable-return-hidden-states --disable-radix-cache`): one with no plugin feature
-on (`hs_noradix_server`) and one with `--toploc-verification`, whose fingerprints (asked for by
-that flag) are the only field it may add. A case that sets plugin fields is sent to the oracle
-without them, and only the fields they ask for may differ. Greedy decoding and no radix cache keep
-both sides deterministic; the comparison is exact.
+names only the CPU stand-in's own plugin). Every case goes to it and to two servers with the
+plugin loaded, all with the same flags (`--enable-return-hidden-states --disable-radix-cache`):
+one with no plugin feature on (`hs_noradix_server`) and one with `--toploc-verification`, whose
+fingerprints (asked for by that flag) are the only field it may add. A case that sets plugin
+fields is sent to the oracle without them, and only the fields they ask for may differ. Greedy
+decoding and no radix cache keep both sides deterministic; the comparison is exact.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ import pytest
 
 from differential import Case, compare
 from e2e_servers import Server, Spec, server_fixture
+from hidden_states_fixtures import HS_NORADIX
 
-FLAGS = ("--enable-return-hidden-states", "--disable-radix-cache")
+FLAGS = HS_NORADIX.args  # the flags of all three servers
 FINGERPRINTS = ("toploc_verification_fingerprints",)
 
 PROMPT = "The capital of France is"
