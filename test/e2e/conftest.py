@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 from e2e_servers import POOL, USES_SERVERS, Spec, server_fixture, server_keys
-from hidden_states_fixtures import HS_NORADIX, hf, hs_noradix_server, hs_server, refusal_server  # noqa: F401 - fixtures
+from hidden_states_fixtures import disabled_server, hf, hs_noradix_server, hs_server, refusal_server  # noqa: F401 - fixtures
 
 toploc_server = server_fixture(
     Spec("toploc", ("--toploc-verification", "--enable-metrics", "--log-level", "info")),
@@ -26,13 +26,6 @@ plain_server = server_fixture(
     Spec("plain"),
     doc="The plugin loaded (through its entry point) but no sglang-rl flag given (the k-CBS tests "
         "use it too: k-CBS is asked for per request).")
-
-# SGLANG_PLUGINS names only the CPU stand-in's own plugin: sglang-rl is not loaded
-DISABLED = Spec("disabled", HS_NORADIX.args, env={"SGLANG_PLUGINS": "sgl_kernel_cpu_standin"})
-disabled_server = server_fixture(
-    DISABLED,
-    doc="sglang alone, the oracle: the plugin disabled, with the flags of `hs_noradix_server` "
-        "(the plugin loaded, no sglang-rl flag given).")
 
 
 @pytest.fixture(scope="session")

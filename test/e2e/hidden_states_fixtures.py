@@ -11,6 +11,8 @@ test that needs them. The first test that uses one of them also starts the Engin
 * ``hs_noradix_server``: ``--enable-return-hidden-states --disable-radix-cache``, no TOPLOC: here
   a batch of plain requests captures rows (the server flag makes every batch capture) without any
   request having raised its own capture mode, the case TOPLOC's per-request mode hides.
+* ``disabled_server``: ``hs_noradix_server``'s flags with the plugin disabled, the oracle of
+  the differential suite and of test_plugin_surface.
 * ``refusal_server``: the plugin, no flag: ``plain_server`` of test/e2e/conftest.py.
 
 The reference for every row is a plain transformers forward in float32:
@@ -95,6 +97,8 @@ atexit.register(_print_stats)
 HS_RADIX = Spec("hs-radix-chunked", ("--enable-return-hidden-states", "--chunked-prefill-size", "64",
                                      "--toploc-verification"))
 HS_NORADIX = Spec("hs-noradix", ("--enable-return-hidden-states", "--disable-radix-cache"))
+# its twin without the plugin: SGLANG_PLUGINS names only the CPU stand-in's own plugin
+DISABLED = Spec("disabled", HS_NORADIX.args, env={"SGLANG_PLUGINS": "sgl_kernel_cpu_standin"})
 
 
 def engine_job(model_path: str) -> dict[str, Any]:
@@ -133,6 +137,8 @@ hs_server = server_fixture(HS_RADIX, on_use=_start_engine_job,
                                "radix cache on.")
 hs_noradix_server = server_fixture(HS_NORADIX, on_use=_start_engine_job,
                                    doc="--enable-return-hidden-states --disable-radix-cache.")
+disabled_server = server_fixture(DISABLED, doc="sglang alone, the oracle: the plugin disabled, with the flags of "
+                                                "`hs_noradix_server` (the plugin loaded, no sglang-rl flag given).")
 
 
 # --------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ import textwrap
 import pytest
 
 from e2e_servers import POOL, e2e_env
+from hidden_states_fixtures import DISABLED
 from sglang_rl.fingerprint import decode_fingerprint
 from toploc_helpers import RL_FIELDS, gen_generate, pmap, post, record, verify_tokens
 
@@ -104,7 +105,7 @@ def launched(model_path, tmp_path_factory) -> dict:
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
     }
     try:
-        POOL.ensure_started("disabled")  # conftest.py: disabled_server
+        POOL.ensure_started(DISABLED.key)
         outputs = {}
         for name, proc in procs.items():
             out, _ = proc.communicate(timeout=900)
