@@ -134,11 +134,18 @@ class RowCollector:
         from `position`, kept in memory. LAST keeps references (the step's rows stay alive for
         at most a few steps, see `_trim`); other scopes copy their rows out, so a request never
         holds whole steps."""
-        if self.options.mode is HiddenStatesMode.LAST:
-            self.rows.extend((rows, start + j) for j in range(count))
-        else:
-            block = rows[start:start + count].clone()
-            self.rows.extend((block, j) for j in range(count))
+        if self.options.mode is not HiddenStatesMode.LAST:
+            self.add_step_block(rows[start:start + count].clone(), position)
+            return
+        self.rows.extend((rows, start + j) for j in range(count))
+        self.positions.extend(range(position, position + count))
+        self._trim(count)
+
+    def add_step_block(self, block: torch.Tensor, position: int) -> None:
+        """A decode step's rows of this request alone (`[count, H]`, not shared with sglang), at
+        consecutive positions from `position`, kept in memory."""
+        count = block.shape[0]
+        self.rows.extend((block, j) for j in range(count))
         self.positions.extend(range(position, position + count))
         self._trim(count)
 
@@ -219,6 +226,18 @@ class RowCollector:
         self.rows, self.positions = [], []
 
 
+def _consecutive_rows(refs: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
+    """The rows `block[j]` of `(block, j)` references as one tensor, a slice per run of
+    consecutive rows of one block rather than an index per row."""
+    runs: list[list] = []
+    for block, j in refs:
+        if runs and runs[-1][0] is block and runs[-1][2] == j:
+            runs[-1][2] = j + 1
+        else:
+            runs.append([block, j, j + 1])
+    return torch.cat([block[first:end] for block, first, end in runs])
+
+
 def add_decode_rows(items: list[tuple[RowCollector, int, int, int]], rows: torch.Tensor) -> None:
     """One decode step's rows (host `[n, H]`): item `(collector, start, count, position)` gives
     the collector rows `start .. start+count-1` at positions `position ..` (count > 1 when a
@@ -226,8 +245,11 @@ def add_decode_rows(items: list[tuple[RowCollector, int, int, int]], rows: torch
 
     Collectors with files get their rows as one numpy copy from a single host view of the whole
     step (a tensor op per request and row cost ~25 us, i.e. ~10% of a 64-request 8B decode step);
-    in-memory collectors (LAST, last_n) take references or small copies (`add_step_rows`)."""
+    LAST collectors take references (`add_step_rows`); the other in-memory ones (last_n, which
+    co-training's windows are) share one copy of the step's rows that they keep, taken in one
+    `index_select` instead of a copy per request (benchmark/bench_cotrain_host.py)."""
     view = None
+    copied: list[tuple[RowCollector, int, int, int]] = []
     for collector, start, count, position in items:
         if collector.segments is not None:
             if view is None:
@@ -235,7 +257,18 @@ def add_decode_rows(items: list[tuple[RowCollector, int, int, int]], rows: torch
             if collector._to_files(lambda segments: segments.append_host(
                     view[start:start + count], range(position, position + count), rows.dtype)):
                 continue
-        collector.add_step_rows(rows, start, count, position)
+        if collector.options.mode is HiddenStatesMode.LAST:
+            collector.add_step_rows(rows, start, count, position)
+        else:
+            copied.append((collector, start, count, position))
+    if not copied:
+        return
+    index = torch.tensor([start + j for _, start, count, _ in copied for j in range(count)], device=rows.device)
+    kept = rows.index_select(0, index)
+    offset = 0
+    for collector, _, count, position in copied:
+        collector.add_step_block(kept[offset:offset + count], position)
+        offset += count
 
 
 _warned = False
@@ -336,9 +369,9 @@ class CotrainRows:
             return None
         while first - 1 in index and end - (first - 1) <= collector.options.last_n:
             first -= 1
-        rows = torch.stack([collector.rows[index[p]][0][collector.rows[index[p]][1]]
-                            for p in range(first, end)])
+        rows = _consecutive_rows([collector.rows[index[p]] for p in range(first, end)])
         collector.rows, collector.positions = [], []
-        return RolloutSample(input_ids=torch.tensor(ids[first:end], dtype=torch.long), rows=rows.float(),
+        # bf16 on the wire: the trainer trains on bf16 rows (`sample_from_rows`), and half the bytes cross
+        return RolloutSample(input_ids=torch.tensor(ids[first:end], dtype=torch.long), rows=rows.to(torch.bfloat16),
                              response_start=max(len(req.origin_input_ids) - first, 0),
                              policy_version=policy_version)
