@@ -2,7 +2,7 @@
 
 A decode step of an EAGLE server hands the scheduler its rows on the host (`[requests x
 draft tokens, H]`, bf16); co-training routes each request's accepted rows to its window
-(`_decode_routes`, `add_decode_rows`), and a finished request's window becomes a training sample
+(`decode_routes`, `add_decode_rows`), and a finished request's window becomes a training sample
 that is serialised for the trainer's queue (`CotrainRows.sample`, `sample_to_wire`, pickle). All of
 it runs on the scheduler's thread between GPU steps. This replays one batch of synthetic
 requests (prompt and response lengths, acceptance) through those functions and prints the time
@@ -23,7 +23,7 @@ import torch
 
 from sglang_rl.adapters.hidden_states import CotrainRows, add_decode_rows
 from sglang_rl.adapters.request_state import state_of
-from sglang_rl.adapters.scheduler import _decode_routes
+from sglang_rl.adapters.scheduler import decode_routes
 from sglang_rl.drafter.cotrain import sample_to_wire
 
 
@@ -56,7 +56,7 @@ def run(requests: int, hidden: int, draft_tokens: int, window: int, acceptance: 
         accepted = [min(draft_tokens, 1 + int(rng.random() < acceptance - 1) + int(rng.random() < (acceptance - 1) / 2))
                     for _ in running]
         t0 = time.perf_counter()
-        _, _, _, collectors = _decode_routes(running, draft_tokens, accepted)
+        _, _, _, collectors = decode_routes(running, draft_tokens, accepted)
         t1 = time.perf_counter()
         add_decode_rows(collectors, rows)
         t2 = time.perf_counter()
@@ -100,7 +100,7 @@ def main() -> None:
           f"{steps} decode steps; the fastest of {args.repeats} batches")
     print("| part | ms per batch | us per decode step |")
     print("|---|---|---|")
-    names = {"routes": "route rows (`_decode_routes`)", "rows": "keep rows (`add_decode_rows`)",
+    names = {"routes": "route rows (`decode_routes`)", "rows": "keep rows (`add_decode_rows`)",
              "sample": "build samples (`CotrainRows.sample`)", "wire": "to bytes (`sample_to_wire`)",
              "pickle": "queue pickling"}
     for key, name in names.items():

@@ -235,7 +235,7 @@ def decode_result_around(original: Callable, processor: Any, batch: Any, result:
         stride = result.speculative_num_draft_tokens or 1
         accepted = result.accept_lens.tolist() if result.accept_lens is not None else None
         if _server_collects_rows(processor.server_args):
-            builders, starts, counts, collectors = _decode_routes(batch.reqs, stride, accepted)
+            builders, starts, counts, collectors = decode_routes(batch.reqs, stride, accepted)
         else:  # a TOPLOC-only server has no row collectors to look for
             builders, starts, counts = toploc.decode_builders(batch.reqs, stride, accepted)
             collectors = []
@@ -247,8 +247,8 @@ def decode_result_around(original: Callable, processor: Any, batch: Any, result:
     return original(processor, batch, result)
 
 
-def _decode_routes(reqs: list, stride: int, accepted: list[int] | None
-                   ) -> tuple[list, list[int], list[int], list]:
+def decode_routes(reqs: list, stride: int, accepted: list[int] | None
+                  ) -> tuple[list, list[int], list[int], list]:
     """`toploc.decode_builders` on a server whose requests may also have row collectors
     (hidden-state fields, co-training): those collectors too, each with its run and the run's
     position."""
