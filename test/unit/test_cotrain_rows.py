@@ -50,8 +50,7 @@ def test_samples_hold_each_positions_row_in_order_as_bf16() -> None:
         sample = rows_of.sample(req, policy_version=3)
         prompt = len(req.origin_input_ids)
         end = prompt + len(req.output_ids_through_stop) - 1  # the last token's row predicts nothing
-        # decode rows start at the first output token's input, the prompt's last position
-        first = prompt
+        first = prompt  # no prefill rows here: the first decode step's rows start at the prompt's end
         assert sample.rows.dtype == torch.bfloat16 and sample.policy_version == 3
         assert sample.input_ids.tolist() == (req.origin_input_ids + req.output_ids_through_stop)[first:end]
         assert torch.equal(sample.rows.float(), torch.stack([_row(p, i) for p in range(first, end)]))

@@ -130,13 +130,10 @@ class RowCollector:
             self._add(block, range(end - block.shape[0], end))
 
     def add_step_rows(self, rows: torch.Tensor, start: int, count: int, position: int) -> None:
-        """Rows `start .. start+count-1` of a decode step's host rows, at consecutive positions
-        from `position`, kept in memory. LAST keeps references (the step's rows stay alive for
-        at most a few steps, see `_trim`); other scopes copy their rows out, so a request never
+        """LAST: rows `start .. start+count-1` of a decode step's host rows, at consecutive
+        positions from `position`, kept by reference (the step's rows stay alive for at most a
+        few steps, see `_trim`). Other scopes keep copies (`add_step_block`), so a request never
         holds whole steps."""
-        if self.options.mode is not HiddenStatesMode.LAST:
-            self.add_step_block(rows[start:start + count].clone(), position)
-            return
         self.rows.extend((rows, start + j) for j in range(count))
         self.positions.extend(range(position, position + count))
         self._trim(count)
