@@ -132,15 +132,16 @@ class RowCollector:
     def add_step_rows(self, rows: torch.Tensor, start: int, count: int, position: int) -> None:
         """LAST: rows `start .. start+count-1` of a decode step's host rows, at consecutive
         positions from `position`, kept by reference (the step's rows stay alive for at most a
-        few steps, see `_trim`). Other scopes keep copies (`add_step_block`), so a request never
+        few steps, see `_trim`). Other scopes keep copies (`keep_block`), so a request never
         holds whole steps."""
         self.rows.extend((rows, start + j) for j in range(count))
         self.positions.extend(range(position, position + count))
         self._trim(count)
 
-    def add_step_block(self, block: torch.Tensor, position: int) -> None:
-        """A decode step's rows of this request alone (`[count, H]`, not shared with sglang), at
-        consecutive positions from `position`, kept in memory."""
+    def keep_block(self, block: torch.Tensor, position: int) -> None:
+        """Rows of this request (`[count, H]`, a copy sglang will not reuse, possibly a view of
+        one copy that other requests of the same step share) at consecutive positions from
+        `position`, kept in memory."""
         count = block.shape[0]
         self.rows.extend((block, j) for j in range(count))
         self.positions.extend(range(position, position + count))
@@ -153,10 +154,8 @@ class RowCollector:
         positions = list(positions)
         if keep is not None and len(positions) > keep:
             block, positions = block[-keep:], positions[-keep:]
-        block = block.clone()  # never hold a view of a whole batch's rows
-        self.rows.extend((block, j) for j in range(block.shape[0]))
-        self.positions.extend(positions)
-        self._trim(block.shape[0])
+        if positions:
+            self.keep_block(block.clone(), positions[0])  # never hold a view of a whole batch's rows
 
     def _to_files(self, store: Callable[[RowSegments], None]) -> bool:
         """Run `store` on this request's files. False if it has none, or if shared memory just
@@ -264,7 +263,7 @@ def add_decode_rows(items: list[tuple[RowCollector, int, int, int]], rows: torch
     kept = rows.index_select(0, index)
     offset = 0
     for collector, _, count, position in copied:
-        collector.add_step_block(kept[offset:offset + count], position)
+        collector.keep_block(kept[offset:offset + count], position)
         offset += count
 
 
