@@ -44,7 +44,7 @@ from sglang_rl.drafter.acceptance import merge_histograms, position_accept_rates
 
 SPEC = dict(speculative_algorithm="EAGLE", speculative_num_steps=3, speculative_eagle_topk=1,
             speculative_num_draft_tokens=4)
-SPEED_CONFIGS = ("plain", "spec", "cotrain-same", "cotrain-gaps", "cotrain-cuda1", "cotrain-cpu")
+SPEED_CONFIGS = ("plain", "spec", "cotrain-same", "cotrain-gaps", "cotrain-optout", "cotrain-cuda1", "cotrain-cpu")
 
 
 # --- data ----------------------------------------------------------------------------------------
@@ -351,11 +351,13 @@ def run_speed_config(args: argparse.Namespace, name: str) -> dict:
     if name != "plain":
         kw.update(SPEC, speculative_draft_model_path=args.drafter)
     if cotrain:
-        device = {"cotrain-same": None, "cotrain-gaps": None, "cotrain-cuda1": "cuda:1", "cotrain-cpu": "cpu"}[name]
+        device = {"cotrain-same": None, "cotrain-gaps": None, "cotrain-optout": None, "cotrain-cuda1": "cuda:1",
+                  "cotrain-cpu": "cpu"}[name]
         on_cpu = device == "cpu"
         kw.update(cotrain_kwargs(args.cost_samples_per_round, 1 if on_cpu else args.cost_steps, args.cost_lr,
                                  args.samples_per_step, args.window, 64 if on_cpu else args.soft_topk,
-                                 device, 4 if on_cpu else 0, train_in_gaps=name == "cotrain-gaps" or None))
+                                 device, 4 if on_cpu else 0,
+                                 train_in_gaps=name in ("cotrain-gaps", "cotrain-optout") or None))
     llm = sgl.Engine(**kw)
     startup = time.time() - start
     sp = {"max_new_tokens": args.max_new_tokens, "temperature": 0}
@@ -375,7 +377,10 @@ def run_speed_config(args: argparse.Namespace, name: str) -> dict:
     before = llm.get_drafter_cotrain_stats() if cotrain else None
     work = train[:args.cost_rollouts]
     groups = [work[i:i + args.cost_batch] for i in range(0, len(work), args.cost_batch)]
-    result["cost"] = {**timed_groups(llm, groups, sp, pause_s=args.cost_pause_s), "pause_s": args.cost_pause_s}
+    # cotrain-optout: a co-training server whose rollouts all opt out, i.e. its cost without rows
+    fields = opt_out if name == "cotrain-optout" else {}
+    result["cost"] = {**timed_groups(llm, groups, sp, pause_s=args.cost_pause_s, **fields),
+                      "pause_s": args.cost_pause_s}
     if cotrain:
         after = llm.get_drafter_cotrain_stats()
         done = after["rounds"] - before["rounds"]

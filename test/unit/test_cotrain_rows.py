@@ -38,7 +38,7 @@ def _run(window: int, steps: int, seed: int) -> tuple[list[_Req], list[CotrainRo
             position = len(req.origin_input_ids) + len(req.output_ids_through_stop)
             for j in range(count):
                 rows[i * STRIDE + j] = _row(position + j, i)
-            items.append((rows_of.rows, i * STRIDE, count, position))
+            items.append((rows_of, i * STRIDE, count, position))
             req.output_ids_through_stop += [7] * count
         add_decode_rows(items, rows)
     return reqs, windows
@@ -47,7 +47,7 @@ def _run(window: int, steps: int, seed: int) -> tuple[list[_Req], list[CotrainRo
 def test_samples_hold_each_positions_row_in_order_as_bf16() -> None:
     reqs, windows = _run(window=512, steps=30, seed=0)
     for i, (req, rows_of) in enumerate(zip(reqs, windows)):
-        sample = rows_of.sample(req, policy_version=3)
+        sample = _sample(rows_of, req, 3)
         prompt = len(req.origin_input_ids)
         end = prompt + len(req.output_ids_through_stop) - 1  # the last token's row predicts nothing
         first = prompt  # no prefill rows here: the first decode step's rows start at the prompt's end
@@ -55,13 +55,13 @@ def test_samples_hold_each_positions_row_in_order_as_bf16() -> None:
         assert sample.input_ids.tolist() == (req.origin_input_ids + req.output_ids_through_stop)[first:end]
         assert torch.equal(sample.rows.float(), torch.stack([_row(p, i) for p in range(first, end)]))
         assert sample.response_start == 0
-        assert rows_of.rows.rows == [] and rows_of.rows.done  # the window lets its rows go
+        assert not rows_of.runs and rows_of.done  # the window lets its rows go
 
 
 def test_a_window_keeps_the_newest_rows() -> None:
     reqs, windows = _run(window=16, steps=40, seed=1)
     for i, (req, rows_of) in enumerate(zip(reqs, windows)):
-        sample = rows_of.sample(req, policy_version=0)
+        sample = _sample(rows_of, req, 0)
         end = len(req.origin_input_ids) + len(req.output_ids_through_stop) - 1
         assert sample.rows.shape == (16, H)
         assert torch.equal(sample.rows.float(), torch.stack([_row(p, i) for p in range(end - 16, end)]))
@@ -75,9 +75,51 @@ def test_requests_sharing_a_step_each_get_their_own_rows() -> None:
     user = RowCollector(options, 2, stores=True)
     window = CotrainRows(2, 512)
     rows = torch.stack([_row(2, 0), _row(3, 0), _row(99, 9), _row(99, 9), _row(2, 1), _row(99, 9)])
-    add_decode_rows([(user, 0, 2, 2), (window.rows, 4, 1, 2)], rows)
-    assert user.segments is None and user.positions == [2, 3] and window.rows.positions == [2]
+    add_decode_rows([(user, 0, 2, 2), (window, 4, 1, 2)], rows)
+    assert user.segments is None and user.positions == [2, 3] and [run[3] for run in window.runs] == [2]
     assert [block[j].tolist() for block, j in user.rows] == [_row(2, 0).tolist(), _row(3, 0).tolist()]
-    assert [block[j].tolist() for block, j in window.rows.rows] == [_row(2, 1).tolist()]
+    assert _window_rows(window) == [_row(2, 1).tolist()]
     rows.fill_(0.0)  # the step's tensor is sglang's to reuse: the kept rows are a copy
     assert [block[j].tolist() for block, j in user.rows] == [_row(2, 0).tolist(), _row(3, 0).tolist()]
+    assert _window_rows(window) == [_row(2, 1).tolist()]
+
+
+def _sample(window: CotrainRows, req: _Req, policy_version: int):
+    window.close(req, policy_version)
+    return window.sample()
+
+
+def _window_rows(window: CotrainRows) -> list:
+    return [row.tolist() for block, first, count, _ in window.runs for row in block[first:first + count]]
+
+
+def test_a_sample_drops_rows_past_the_finish_and_takes_recomputed_rows_after_a_retraction() -> None:
+    """Prompt rows from a prefill, decode runs whose last rows overshoot the finish, then a
+    retraction: the request's prompt and output are prefilled again, so positions repeat with new
+    rows (request number 1). The sample ends at the last committed token's input and takes the
+    newest row of every position."""
+    req = _Req(4)
+    window = CotrainRows(4, 512)
+    window.add_prefill(torch.stack([_row(p, 0) for p in range(4)]), True)
+    for position, count in ((4, 3), (7, 2)):
+        window.keep_run(torch.stack([_row(position + j, 0) for j in range(STRIDE)]), 0, count, position)
+    req.output_ids_through_stop = [7] * 5  # committed tokens at positions 4..8
+    window.add_prefill(torch.stack([_row(p, 1) for p in range(8)]), True, end=8)  # a retraction's prefill
+    window.keep_run(torch.stack([_row(8, 1), _row(9, 1), _row(99, 9), _row(99, 9)]), 0, 2, 8)  # 9: past the finish
+    sample = _sample(window, req, 0)
+    assert sample.input_ids.tolist() == (req.origin_input_ids + req.output_ids_through_stop)[:8]
+    assert torch.equal(sample.rows.float(), torch.stack([_row(p, 1) for p in range(8)]))
+    assert sample.response_start == 4
+
+
+def test_a_sample_stops_at_a_gap_and_is_none_without_the_last_row() -> None:
+    req = _Req(2)
+    req.output_ids_through_stop = [7] * 6  # positions 2..7; the sample wants rows 0..6
+    window = CotrainRows(2, 512)
+    window.keep_run(torch.stack([_row(p, 0) for p in range(3)]), 0, 3, 0)
+    window.keep_run(torch.stack([_row(p, 0) for p in range(4, 7)]), 0, 3, 4)  # position 3 is missing
+    sample = _sample(window, req, 0)
+    assert torch.equal(sample.rows.float(), torch.stack([_row(p, 0) for p in range(4, 7)]))
+    late = CotrainRows(2, 512)
+    late.keep_run(torch.stack([_row(p, 0) for p in range(3)]), 0, 3, 0)
+    assert _sample(late, req, 0) is None

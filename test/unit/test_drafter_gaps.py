@@ -9,10 +9,12 @@ import threading
 import time
 
 import pytest
+import torch
 
-from sglang_rl.drafter.cotrain import cotrain_main, sample_to_wire
+from sglang_rl.drafter.cotrain import CotrainLoop, cotrain_main, sample_to_wire
 from sglang_rl.drafter.gaps import IdleGate
 from test_drafter_cotrain_loop import config, folders, sample  # noqa: F401 - folders is a fixture
+from test_drafter_checkpoint import H, V
 
 
 def test_the_gate_waits_for_idle_then_passes() -> None:
@@ -62,3 +64,21 @@ def test_a_round_waits_while_the_server_is_busy(folders) -> None:  # noqa: F811
     finally:
         if proc.is_alive():
             proc.kill()
+
+
+def test_a_new_target_head_waits_for_the_rounds_idle_time(folders) -> None:  # noqa: F811
+    """With a gate, a target head that arrives while the server is busy is not copied into the
+    drafter then (on a GPU the copy would compete with the rollouts): the next round takes it,
+    after its wait for idle time."""
+    idle = threading.Event()
+    loop = CotrainLoop(config(folders, train_in_gaps=True), IdleGate(idle, max_wait_s=30))
+    embed = torch.randn(V, H, generator=torch.Generator().manual_seed(3))
+    before = loop.trainer.model.embed_tokens.clone()
+    loop.receive_target_head(embed)
+    assert torch.equal(loop.trainer.model.embed_tokens, before) and loop.head_updates == 0
+    for i in range(4):
+        loop.add(sample(seed=i))
+    threading.Timer(0.5, idle.set).start()
+    _, metrics = loop.train_round()
+    assert metrics["head_updates"] == 1 and metrics["gap_wait_s"] >= 0.4
+    assert torch.equal(loop.trainer.model.embed_tokens, embed.to(before))

@@ -6,7 +6,8 @@ by it: counted when it finishes, and (unless it sets `drafter_cotrain: false`) g
 for it anyway (EAGLE's target captures them for its draft), routed by the same prefill/decode
 hooks as user-requested rows, never limiting the radix cache. When the request finishes, its ids, rows and the policy
 version are posted to the co-training process (`sglang_rl.drafter.cotrain`), which trains in
-rounds off the scheduler loop. Between two batches the scheduler takes finished rounds from the
+rounds off the scheduler loop; the samples are built and posted when the scheduler is idle (or
+once a round's worth waits), not between the steps of a rollout. Between two batches the scheduler takes finished rounds from the
 outbox and loads them through the draft-only weight update (`adapters.drafter_weights`).
 
 Acceptance per round is counted here from what sglang already measures per request:
@@ -102,6 +103,7 @@ class CotrainRuntime:
         self.head_checksum: Optional[tuple[float, ...]] = None
         self.target_head_updates = 0
         self.samples = 0
+        self.pending: list[CotrainRows] = []  # finished requests whose samples are not built yet
         self.dropped = 0
         self.rows_sent = 0
         self.skipped_busy = 0
@@ -143,19 +145,29 @@ class CotrainRuntime:
         tokens = len(req.output_ids_through_stop)
         rows: Optional[CotrainRows] = cotrain_rows_of(req)
         (self.held_out if rows is None else self.acceptance)[-1].add(tokens, steps)
-        if rows is None or rows.rows.done:
+        if rows is None or rows.done:
             return
-        sample = rows.sample(req, self.policy_version)
-        if sample is None or sample.input_ids.numel() < 2:
-            self.dropped += 1
-            return
-        self.rows_sent += int(sample.input_ids.numel())
-        try:
-            self.inbox.put_nowait(("sample", sample_to_wire(sample)))
-        except queue.Full:
-            self.skipped_busy += 1
-            return
-        self.samples += 1
+        rows.close(req, self.policy_version)
+        self.pending.append(rows)
+        if len(self.pending) >= self.config.samples_per_round:  # a server that never idles
+            self.send_pending()
+
+    def send_pending(self) -> None:
+        """Build the samples of finished requests and post them to the trainer. It runs when the
+        scheduler is idle (`poll`), off the rollout's path, or once a round's worth waits."""
+        pending, self.pending = self.pending, []
+        for rows in pending:
+            sample = rows.sample()
+            if sample is None or sample.input_ids.numel() < 2:
+                self.dropped += 1
+                continue
+            self.rows_sent += int(sample.input_ids.numel())
+            try:
+                self.inbox.put_nowait(("sample", sample_to_wire(sample)))
+            except queue.Full:
+                self.skipped_busy += 1
+                continue
+            self.samples += 1
 
     def policy_updated(self) -> None:
         """A target weight update. verl pushes one RL step as several updates (a bucket each),
@@ -191,8 +203,11 @@ class CotrainRuntime:
     def poll(self, scheduler: Any) -> None:
         """Apply finished rounds (between batches, where sglang applies its own weight updates)."""
         released = weights_released(scheduler)
+        idle = released or scheduler.is_fully_idle()
         if self.idle is not None:
-            _note_idle(self.idle, released or scheduler.is_fully_idle())
+            _note_idle(self.idle, idle)
+        if self.pending and idle:
+            self.send_pending()
         if released:
             return  # rounds wait in the outbox until resume: the draft's memory is unmapped now
         if self.head_checksum is None or (self.head_pending and self.served_since_update):
@@ -205,7 +220,8 @@ class CotrainRuntime:
             self.handle(scheduler, message)
         if self.swap is not None:
             self.swap.ask()
-        self.metrics.publish(self.stats())
+        if self.metrics.gauges:  # stats() is a dict of lists: built only for a server with metrics
+            self.metrics.publish(self.stats())
 
     def handle(self, scheduler: Any, message: tuple) -> None:
         """One outbox message; a round is loaded now, or with TP stashed until rank 0's swap order."""

@@ -18,6 +18,7 @@ own KV cache, the extra sampled token is cut by sglang's finished_len.
 
 from __future__ import annotations
 
+import collections
 import logging
 from typing import Any, Callable, Optional
 
@@ -75,6 +76,17 @@ def options_from_entry(entry: dict) -> Optional[HiddenStatesOptions]:
     )
 
 
+def join_prefill_chunks(pending: list[torch.Tensor], rows: torch.Tensor, last_chunk: bool) -> Optional[torch.Tensor]:
+    """Collect one prefill chunk's rows in `pending`; on the last chunk, all of them as one block
+    (pending is emptied). A middle chunk may be a view of its batch's rows: it is kept as a copy."""
+    pending.append(rows if last_chunk else rows.clone())
+    if not last_chunk:
+        return None
+    block = torch.cat(pending) if len(pending) > 1 else pending[0]
+    pending.clear()
+    return block
+
+
 class RowCollector:
     """Rows of one request with their positions.
 
@@ -104,6 +116,11 @@ class RowCollector:
         self.done = False
 
     @property
+    def takes_references(self) -> bool:
+        """LAST rows are kept as references into the step's host rows (`add_step_rows`)."""
+        return self.options.mode is HiddenStatesMode.LAST
+
+    @property
     def needs_prompt_rows(self) -> bool:
         return self.options.mode is HiddenStatesMode.FULL and self.options.scope in (
             HiddenStatesScope.ALL, HiddenStatesScope.LAST_N)
@@ -121,11 +138,8 @@ class RowCollector:
     def add_prefill(self, rows: torch.Tensor, last_chunk: bool, end: Optional[int] = None) -> None:
         """Rows of one prefill chunk; the chunks of a prefill end at position `end` (exclusive,
         default the prompt length). Callers skip collectors that do not store (`stores`)."""
-        # a middle chunk may be a view of its batch's rows: keep a copy until the last chunk
-        self._prefill.append(rows if last_chunk else rows.clone())
-        if last_chunk:
-            block = torch.cat(self._prefill) if len(self._prefill) > 1 else self._prefill[0]
-            self._prefill = []
+        block = join_prefill_chunks(self._prefill, rows, last_chunk)
+        if block is not None:
             end = self.prompt_len if end is None else end
             self._add(block, range(end - block.shape[0], end))
 
@@ -137,6 +151,11 @@ class RowCollector:
         self.rows.extend((rows, start + j) for j in range(count))
         self.positions.extend(range(position, position + count))
         self._trim(count)
+
+    def keep_run(self, kept: torch.Tensor, first: int, count: int, position: int) -> None:
+        """Rows `kept[first:first+count]` of a step's kept rows (`add_decode_rows`), at positions
+        from `position`."""
+        self.keep_block(kept[first:first + count], position)
 
     def keep_block(self, block: torch.Tensor, position: int) -> None:
         """Rows of this request (`[count, H]`, a copy sglang will not reuse, possibly a view of
@@ -222,18 +241,6 @@ class RowCollector:
         self.rows, self.positions = [], []
 
 
-def _consecutive_rows(refs: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
-    """The rows `block[j]` of `(block, j)` references as one tensor, a slice per run of
-    consecutive rows of one block rather than an index per row."""
-    runs: list[list] = []
-    for block, j in refs:
-        if runs and runs[-1][0] is block and runs[-1][2] == j:
-            runs[-1][2] = j + 1
-        else:
-            runs.append([block, j, j + 1])
-    return torch.cat([block[first:end] for block, first, end in runs])
-
-
 def add_decode_rows(items: list[tuple[RowCollector, int, int, int]], rows: torch.Tensor) -> None:
     """One decode step's rows (host `[n, H]`): item `(collector, start, count, position)` gives
     the collector rows `start .. start+count-1` at positions `position ..` (count > 1 when a
@@ -241,9 +248,9 @@ def add_decode_rows(items: list[tuple[RowCollector, int, int, int]], rows: torch
 
     Collectors with files get their rows as one numpy copy from a single host view of the whole
     step (a tensor op per request and row cost ~25 us, i.e. ~10% of a 64-request 8B decode step);
-    LAST collectors take references (`add_step_rows`); the other in-memory ones (last_n, which
-    co-training's windows are) share one copy of the step's rows that they keep, taken in one
-    `index_select` instead of a copy per request (benchmark/bench_cotrain_host.py)."""
+    LAST collectors take references (`add_step_rows`); the other in-memory ones (last_n, and
+    co-training's windows) share one copy of the step's rows, taken in one `index_select` instead
+    of a copy per request, and each keeps its run of it (`keep_run`; benchmark/bench_cotrain_host.py)."""
     view = None
     copied: list[tuple[RowCollector, int, int, int]] = []
     for collector, start, count, position in items:
@@ -253,7 +260,7 @@ def add_decode_rows(items: list[tuple[RowCollector, int, int, int]], rows: torch
             if collector._to_files(lambda segments: segments.append_host(
                     view[start:start + count], range(position, position + count), rows.dtype)):
                 continue
-        if collector.options.mode is HiddenStatesMode.LAST:
+        if collector.takes_references:
             collector.add_step_rows(rows, start, count, position)
         else:
             copied.append((collector, start, count, position))
@@ -263,7 +270,7 @@ def add_decode_rows(items: list[tuple[RowCollector, int, int, int]], rows: torch
     kept = rows.index_select(0, index)
     offset = 0
     for collector, _, count, position in copied:
-        collector.keep_block(kept[offset:offset + count], position)
+        collector.keep_run(kept, offset, count, position)
         offset += count
 
 
@@ -343,31 +350,77 @@ def orphaned_output_before(manager: Any, recv_obj: Any) -> None:
 
 
 class CotrainRows:
-    """The last `window` rows of one request, kept in memory for its training sample."""
+    """The last `window` rows of one request, kept in memory for its training sample.
+
+    Rows are kept as runs `(block, first, count, position)`, rows `block[first:first+count]` at
+    positions `position..`: a decode step's run references the step's one copy of the kept rows
+    that every request of the step shares (`add_decode_rows`), so keeping costs no tensor op per
+    request (benchmark/bench_cotrain_host.py). It has the routing interface of `RowCollector`."""
+
+    stores = True  # only a rank that sends outputs creates one (`CotrainRuntime.adopt`)
+    segments = None  # never files
+    takes_references = False  # add_decode_rows gives it runs of the step's kept rows
+    needs_prompt_rows = True  # the prompt's rows train too, as far as the window reaches
 
     def __init__(self, prompt_len: int, window: int) -> None:
-        options = HiddenStatesOptions(mode=HiddenStatesMode.FULL, format=HiddenStatesFormat.TENSOR,
-                                      scope=HiddenStatesScope.LAST_N, last_n=window)
         # its own attribute on the request, so it never limits the radix cache (prefix_limit
         # applies to user-requested rows only): it takes the prompt rows that were computed
-        self.rows = RowCollector(options, prompt_len, stores=True)
+        self.prompt_len = prompt_len
+        self.window = window
+        self.runs: collections.deque[tuple[torch.Tensor, int, int, int]] = collections.deque()
+        self.kept = 0
+        self._prefill: list[torch.Tensor] = []
+        self.done = False
+        self.ids: list[int] = []
+        self.policy_version = 0
 
-    def sample(self, req: Any, policy_version: int) -> Optional[RolloutSample]:
-        """The training sample of a finished request: the longest run of consecutive rows that
-        ends at its last committed token's input (rows past the finish are dropped)."""
-        collector = self.rows
-        collector.done = True
-        ids = list(req.origin_input_ids) + list(req.output_ids_through_stop)
+    def add_prefill(self, rows: torch.Tensor, last_chunk: bool, end: Optional[int] = None) -> None:
+        """Rows of one prefill chunk (chunks end at position `end`, default the prompt length)."""
+        block = join_prefill_chunks(self._prefill, rows, last_chunk)
+        if block is not None:
+            end = self.prompt_len if end is None else end
+            block = block[-self.window:].clone()  # never hold a view of a whole batch's rows
+            self.keep_run(block, 0, block.shape[0], end - block.shape[0])
+
+    def keep_run(self, kept: torch.Tensor, first: int, count: int, position: int) -> None:
+        """Rows `kept[first:first+count]` at positions from `position`. Whole old runs go once the
+        rest holds `window` rows beyond this step's (a speculative step's last rows may lie past
+        the finish, which sglang decides afterwards)."""
+        self.runs.append((kept, first, count, position))
+        self.kept += count
+        while len(self.runs) > 1 and self.kept - self.runs[0][2] >= self.window + count:
+            self.kept -= self.runs.popleft()[2]
+
+    def close(self, req: Any, policy_version: int) -> None:
+        """The request finished: keep its tokens and the policy version that produced them."""
+        self.done = True
+        self.ids = list(req.origin_input_ids) + list(req.output_ids_through_stop)
+        self.policy_version = policy_version
+
+    def sample(self) -> Optional[RolloutSample]:
+        """The training sample of the closed request: the longest run of consecutive rows (at
+        most `window`) that ends at its last committed token's input. Rows past the finish are
+        dropped; where positions repeat (a retracted request computes them again) the newest win."""
+        ids = self.ids
         end = len(ids) - 1  # the last token's row would predict a token that was never sampled
-        index = {p: i for i, p in enumerate(collector.positions)}
-        first = end - 1
-        if first not in index:
+        need, taken, pieces = end - 1, 0, []
+        for block, first, count, position in reversed(self.runs):
+            if taken >= self.window:
+                break
+            if position > need:
+                continue  # past the finish, or computed before a retraction
+            if position + count - 1 < need:
+                break  # a gap: the rows before it are not consecutive with the newer ones
+            hi = need - position + 1
+            lo = max(0, hi - (self.window - taken))
+            pieces.append(block[first + lo:first + hi])
+            taken += hi - lo
+            need = position + lo - 1
+        self.runs.clear()
+        if not taken:
             return None
-        while first - 1 in index and end - (first - 1) <= collector.options.last_n:
-            first -= 1
-        rows = _consecutive_rows([collector.rows[index[p]] for p in range(first, end)])
-        collector.rows, collector.positions = [], []
+        rows = torch.cat(pieces[::-1]) if len(pieces) > 1 else pieces[0]
+        start = end - taken
         # bf16 on the wire: the trainer trains on bf16 rows (`sample_from_rows`), and half the bytes cross
-        return RolloutSample(input_ids=torch.tensor(ids[first:end], dtype=torch.long), rows=rows.to(torch.bfloat16),
-                             response_start=max(len(req.origin_input_ids) - first, 0),
-                             policy_version=policy_version)
+        return RolloutSample(input_ids=torch.tensor(ids[start:end], dtype=torch.long), rows=rows.to(torch.bfloat16),
+                             response_start=max(self.prompt_len - start, 0), policy_version=self.policy_version)

@@ -89,7 +89,7 @@ def _row_collectors(req: Any) -> list:
         found.append(collector)
     rows = cotrain_rows_of(req)
     if rows is not None:
-        found.append(rows.rows)
+        found.append(rows)
     return found
 
 

@@ -151,6 +151,7 @@ class CotrainLoop:
         self.received = 0
         self.rounds = 0
         self.head_updates = 0
+        self.pending_head: Optional[tuple[torch.Tensor, Optional[torch.Tensor]]] = None
 
     def set_target_head(self, embed: torch.Tensor, head: Optional[torch.Tensor] = None) -> None:
         """Follow the target's embedding and LM head after an RL step changed them (``head`` None:
@@ -161,6 +162,14 @@ class CotrainLoop:
         if model.lm_head is not None:
             model.lm_head.copy_((embed if head is None else head)[:vocab].to(model.lm_head))
         self.head_updates += 1
+
+    def receive_target_head(self, embed: torch.Tensor, head: Optional[torch.Tensor] = None) -> None:
+        """A new target head from the server. With a gate it waits for the next round's first idle
+        moment: copying it to the serving GPU while rollouts run would compete with them."""
+        if self.gate is None:
+            self.set_target_head(embed, head)
+        else:
+            self.pending_head = (embed, head)
 
     def add(self, sample: RolloutSample) -> None:
         """Window and store one sample (a sample with fewer than two rows is dropped)."""
@@ -193,12 +202,16 @@ class CotrainLoop:
     def train_round(self) -> tuple[list[tuple[str, torch.Tensor]], dict]:
         """One round: train, then the new draft weights (serving dtype, CPU) and its metrics."""
         start = time.perf_counter()
+        if self.gate is not None:  # the batches' device copies and soft targets wait for idle time too
+            self.gate.new_round()
+            self.gate.wait()
+        if self.pending_head is not None:
+            self.set_target_head(*self.pending_head)
+            self.pending_head = None
         samples = self.round_samples()
         data = [samples[i:i + self.config.samples_per_step]
                 for i in range(0, len(samples), self.config.samples_per_step)]
         batches = [b for group in data for b in self.trainer.as_batches(group)]
-        if self.gate is not None:
-            self.gate.new_round()
         history = self.trainer.train_steps(batches, self.config.steps,
                                            before_step=None if self.gate is None else self.gate.wait)
         self.fresh = 0
@@ -266,8 +279,8 @@ def cotrain_main(config: CotrainConfig, inbox: Any, outbox: Any, idle: Any = Non
             if message[0] == "stop":
                 return
             if message[0] == "target_head":
-                loop.set_target_head(from_wire(message[1]),
-                                     None if message[2] is None else from_wire(message[2]))
+                loop.receive_target_head(from_wire(message[1]),
+                                         None if message[2] is None else from_wire(message[2]))
             if message[0] == "sample":
                 try:
                     loop.add(sample_from_wire(message[1]))
