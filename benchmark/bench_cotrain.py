@@ -326,19 +326,21 @@ def run_train(args: argparse.Namespace) -> dict:
 def timed_groups(llm: Any, groups: list[list[list[int]]], sp: dict, pause_s: float = 0.0, **fields: Any) -> dict:
     """Output tok/s of the groups sent one after another; `pause_s` after each group (an RL
     step's trainer phase, when the rollout server is idle) is not counted."""
-    seconds = 0.0
+    per_group = []
     tokens = steps = 0
     ids = []
     for g in groups:
         t = time.perf_counter()
         outs = llm.generate(input_ids=g, sampling_params=sp, **fields)
-        seconds += time.perf_counter() - t
+        per_group.append(time.perf_counter() - t)
         a, b = spec_counts(outs)
         tokens, steps = tokens + a, steps + b
         ids.extend(list(o["output_ids"]) for o in outs)
         time.sleep(pause_s)
+    seconds = sum(per_group)
     return {"requests": sum(len(g) for g in groups), "tokens": tokens, "seconds": round(seconds, 3),
-            "tok_s": round(tokens / seconds, 1), "acceptance": ratio(tokens, steps), "output_ids": ids}
+            "tok_s": round(tokens / seconds, 1), "acceptance": ratio(tokens, steps),
+            "group_seconds": [round(x, 3) for x in per_group], "output_ids": ids}
 
 
 def run_speed_config(args: argparse.Namespace, name: str) -> dict:
@@ -379,8 +381,9 @@ def run_speed_config(args: argparse.Namespace, name: str) -> dict:
     groups = [work[i:i + args.cost_batch] for i in range(0, len(work), args.cost_batch)]
     # cotrain-optout: a co-training server whose rollouts all opt out, i.e. its cost without rows
     fields = opt_out if name == "cotrain-optout" else {}
-    result["cost"] = {**timed_groups(llm, groups, sp, pause_s=args.cost_pause_s, **fields),
-                      "pause_s": args.cost_pause_s}
+    windows = [timed_groups(llm, groups, sp, pause_s=args.cost_pause_s, **fields) for _ in range(args.cost_repeats)]
+    median = sorted(windows, key=lambda w: w["tok_s"])[len(windows) // 2]
+    result["cost"] = {**median, "pause_s": args.cost_pause_s, "window_tok_s": [w["tok_s"] for w in windows]}
     if cotrain:
         after = llm.get_drafter_cotrain_stats()
         done = after["rounds"] - before["rounds"]
@@ -494,10 +497,11 @@ def report(out: Path) -> None:
                          "vs_spec": ratio(c["tok_s"], ref) if ref else "", "acceptance": c["acceptance"],
                          "rounds_in_window": c.get("rounds_in_window", ""),
                          "train_s_in_window": c.get("round_seconds_in_window", ""),
-                         "gap_wait_s": c.get("gap_wait_s_in_window", ""), "pause_s": c.get("pause_s", 0)})
+                         "gap_wait_s": c.get("gap_wait_s_in_window", ""), "pause_s": c.get("pause_s", 0),
+                         "windows": "/".join(f"{x:.0f}" for x in c.get("window_tok_s", []))})
         print("\n## rollout workload (GSM8K training prompts in groups of --cost-batch): co-training's cost")
         print_table(rows, ["config", "requests", "tokens", "tok_s", "vs_spec", "acceptance", "rounds_in_window",
-                           "train_s_in_window", "gap_wait_s", "pause_s"])
+                           "train_s_in_window", "gap_wait_s", "pause_s", "windows"])
 
 
 def plot(out: Path, png: Path) -> None:
@@ -583,6 +587,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cost-steps", type=int, default=100)
     p.add_argument("--cost-lr", type=float, default=1e-9, help="negligible: the drafter stays fixed")
     p.add_argument("--cost-drain-s", type=float, default=0.0)
+    p.add_argument("--cost-repeats", type=int, default=1,
+                   help="run the rollout workload this many times on one Engine; the median window is reported")
     p.add_argument("--cost-pause-s", type=float, default=0.0,
                    help="idle seconds after each rollout group, not counted (an RL step's trainer phase)")
     p.add_argument("--png", default="docs/cotrain_acceptance.png")
