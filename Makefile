@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 STAMP := .venv/.setup-stamp
 
-.PHONY: setup demo demo-cotrain test test-unit test-gpu fuzz soak model
+.PHONY: setup demo demo-cotrain test test-unit test-gpu fuzz soak soak-cotrain model
 
 setup: $(STAMP)
 
@@ -31,6 +31,10 @@ fuzz: setup
 # not part of `make test`: about 15 minutes (a burst of 256 requests, then a 10-minute soak)
 soak: setup
 	$(PY) scripts/soak.py --burst 256 --soak-seconds 600
+
+# not part of `make test`: one hour of co-training under load; memory of the buffer, trainer and server
+soak-cotrain: setup
+	$(PY) scripts/soak_cotrain.py --minutes 60 --out soak_cotrain.jsonl
 
 test-unit: setup
 	$(PY) -m pytest test/unit -v

@@ -40,7 +40,8 @@ def _replica(dp_rank: int, rounds: int, samples: int, tokens: list, steps: list)
             "policy_version": dp_rank, "trainer_alive": True, "loss": [0.5] * rounds,
             "top1_agreement": [0.1] * rounds, "errors": [f"e{dp_rank}"],
             "acceptance_tokens": tokens, "acceptance_verify_steps": steps,
-            "held_out_tokens": [0] * len(tokens), "held_out_verify_steps": [0] * len(steps)}
+            "held_out_tokens": [0] * len(tokens), "held_out_verify_steps": [0] * len(steps),
+            "buffer_bytes": 100 * rounds, "trainer_peak_rss_bytes": 1000 * rounds, "trainer_peak_device_bytes": None}
 
 
 def test_dp_stats_are_totals_and_each_replica() -> None:
@@ -53,6 +54,8 @@ def test_dp_stats_are_totals_and_each_replica() -> None:
     assert total["acceptance_length_total"] == 1.5
     assert total["held_out_length_total"] is None
     assert total["policy_version"] == 1 and total["errors"] == ["e0", "e1"] and total["dp_size"] == 2
+    # the one trainer's memory, as the replica that loaded the newest round last heard it
+    assert total["buffer_bytes"] == 300 and total["trainer_peak_rss_bytes"] == 3000
     assert combine_stats([zero, None]) is None  # a replica without co-training
 
 

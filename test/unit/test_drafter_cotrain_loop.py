@@ -18,6 +18,7 @@ from sglang_rl.drafter.cotrain import (
     RolloutSample,
     cotrain_main,
     from_wire,
+    peak_memory,
     sample_from_wire,
     sample_to_wire,
     to_wire,
@@ -111,9 +112,23 @@ def test_process_entry_point_trains_round_after_round(folders) -> None:
             kind, weights, metrics = outbox.get(timeout=120)
             assert kind == "round" and metrics["round"] == r and metrics["policy_version"] == r
             assert {n for n, _ in weights} >= {"fc.weight"}
+            # the process's own peak memory (a torch process holds well over 50 MB); no device memory on the CPU
+            assert 50 * 2**20 < metrics["trainer_peak_rss_bytes"] < 16 * 2**30
+            assert metrics["trainer_peak_device_bytes"] is None
         inbox.put(("stop",))
         proc.join(timeout=30)
         assert proc.exitcode == 0
+
+
+def test_peak_memory_follows_the_process_peak() -> None:
+    import psutil
+
+    before = peak_memory(torch.device("cpu"))["trainer_peak_rss_bytes"]
+    # touched bytes that take the resident size 64 MiB past the peak so far
+    held = torch.ones(max(before - psutil.Process().memory_info().rss, 0) + 64 * 2**20, dtype=torch.uint8)
+    after = peak_memory(torch.device("cpu"))["trainer_peak_rss_bytes"]
+    del held
+    assert after >= before + 60 * 2**20, (before, after)
 
 
 @contextlib.contextmanager

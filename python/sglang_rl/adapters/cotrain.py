@@ -281,6 +281,8 @@ class CotrainRuntime:
             "held_out_verify_steps": [a.verify_steps for a in self.held_out],
             "buffer_samples": self.rounds[-1]["buffer_samples"] if self.rounds else 0,
             "buffer_bytes": self.rounds[-1]["buffer_bytes"] if self.rounds else 0,
+            "trainer_peak_rss_bytes": self.rounds[-1].get("trainer_peak_rss_bytes") if self.rounds else None,
+            "trainer_peak_device_bytes": self.rounds[-1].get("trainer_peak_device_bytes") if self.rounds else None,
             "errors": self.errors[-5:],
             "saved": self.saved,
         }

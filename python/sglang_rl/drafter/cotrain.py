@@ -34,7 +34,7 @@ from sglang_rl.drafter.schedule import LrSchedule
 from sglang_rl.drafter.trainer import DrafterTrainer
 from sglang_rl.drafter.buffer import HiddenStateReplayBuffer
 
-__all__ = ["CotrainConfig", "CotrainLoop", "RolloutSample", "cotrain_main", "from_wire", "inbox_size",
+__all__ = ["CotrainConfig", "CotrainLoop", "RolloutSample", "cotrain_main", "from_wire", "inbox_size", "peak_memory",
            "sample_from_wire", "sample_to_wire", "start_cotrain_process", "to_wire"]
 
 
@@ -233,10 +233,22 @@ class CotrainLoop:
             "buffer_bytes": self.buffer.nbytes,
             "received": self.received,
             "head_updates": self.head_updates,
+            **peak_memory(self.trainer.device),
             **({"gap_wait_s": self.gate.waited_s} if self.gate is not None else {}),
         }
         weights = sglang_weights(self.trainer.model, dtype=dtype_from_name(self.config.serve_dtype))
         return weights, metrics
+
+
+def peak_memory(device: torch.device) -> dict:
+    """The training process's peak memory so far: resident host bytes, and on a CUDA device the
+    bytes torch allocated there (None elsewhere). Printed in the statistics, where a long run
+    shows whether they stay bounded."""
+    import resource
+
+    host = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    on_device = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return {"trainer_peak_rss_bytes": host, "trainer_peak_device_bytes": on_device}
 
 
 # how often an idle co-training process checks that the server that started it still runs
@@ -258,6 +270,7 @@ def cotrain_main(config: CotrainConfig, inbox: Any, outbox: Any, idle: Any = Non
     ``("stop",)``.
     Outbox messages: ``("ready", {})``, ``("round", [(name, to_wire(tensor))], metrics)``,
     ``("error", text)``."""
+    _name_process("sglang-rl::drafter-cotrain")
     if config.threads > 0:
         torch.set_num_threads(config.threads)
     try:
@@ -294,6 +307,15 @@ def cotrain_main(config: CotrainConfig, inbox: Any, outbox: Any, idle: Any = Non
                 loop.fresh = 0
                 continue
             outbox.put(("round", [(name, to_wire(t)) for name, t in weights], metrics))
+
+
+def _name_process(title: str) -> None:
+    """Name the process as ps and top show it, as sglang names its own (where setproctitle exists)."""
+    try:
+        import setproctitle
+    except ImportError:
+        return
+    setproctitle.setproctitle(title)
 
 
 def inbox_size(config: CotrainConfig) -> int:
