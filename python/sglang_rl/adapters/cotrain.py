@@ -7,7 +7,7 @@ for it anyway (EAGLE's target captures them for its draft), routed by the same p
 hooks as user-requested rows, never limiting the radix cache. When the request finishes, its ids, rows and the policy
 version are posted to the co-training process (`sglang_rl.drafter.cotrain`), which trains in
 rounds off the scheduler loop; the samples are built and posted when the scheduler is idle (or
-once a round's worth waits), not between the steps of a rollout. Between two batches the scheduler takes finished rounds from the
+once the trainer's queue's worth waits), not between the steps of a rollout. Between two batches the scheduler takes finished rounds from the
 outbox and loads them through the draft-only weight update (`adapters.drafter_weights`).
 
 Acceptance per round is counted here from what sglang already measures per request:
@@ -149,12 +149,13 @@ class CotrainRuntime:
             return
         rows.close(req, self.policy_version)
         self.pending.append(rows)
-        if len(self.pending) >= self.config.samples_per_round:  # a server that never idles
+        # a server that never idles; in RL a step's last rollout finishing must not pay for the step
+        if len(self.pending) >= inbox_size(self.config):
             self.send_pending()
 
     def send_pending(self) -> None:
         """Build the samples of finished requests and post them to the trainer. It runs when the
-        scheduler is idle (`poll`), off the rollout's path, or once a round's worth waits."""
+        scheduler is idle (`poll`), off the rollout's path, or once the trainer's queue's worth waits."""
         pending, self.pending = self.pending, []
         for rows in pending:
             sample = rows.sample()
