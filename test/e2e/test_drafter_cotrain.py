@@ -153,12 +153,12 @@ def test_cotraining_raises_held_out_acceptance(cotrain_server: Server, toploc_se
 
 
 def trainer_process(server: Server):
-    """The server's co-training process: the child its scheduler spawned."""
+    """The server's co-training process: the child its scheduler spawned, by its title."""
     import psutil
 
     found = [child for proc in psutil.Process(server.proc.pid).children(recursive=True)
              if " ".join(proc.cmdline()).startswith("sglang::scheduler")
-             for child in proc.children() if "spawn_main" in " ".join(child.cmdline())]
+             for child in proc.children() if " ".join(child.cmdline()).startswith("sglang-rl::drafter-cotrain")]
     assert len(found) == 1, found
     return found[0]
 

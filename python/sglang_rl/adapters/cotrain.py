@@ -6,8 +6,8 @@ by it: counted when it finishes, and (unless it sets `drafter_cotrain: false`) g
 for it anyway (EAGLE's target captures them for its draft), routed by the same prefill/decode
 hooks as user-requested rows, never limiting the radix cache. When the request finishes, its ids, rows and the policy
 version are posted to the co-training process (`sglang_rl.drafter.cotrain`), which trains in
-rounds off the scheduler loop; the samples are built and posted when the scheduler is idle (or
-once the trainer's queue's worth waits), not between the steps of a rollout. Between two batches the scheduler takes finished rounds from the
+rounds off the scheduler loop; the samples are built and posted between batches when the
+scheduler is idle (or once a round's worth waits), not at each request's finish. Between two batches the scheduler takes finished rounds from the
 outbox and loads them through the draft-only weight update (`adapters.drafter_weights`).
 
 Acceptance per round is counted here from what sglang already measures per request:
@@ -148,14 +148,15 @@ class CotrainRuntime:
         if rows is None or rows.done:
             return
         rows.close(req, self.policy_version)
-        self.pending.append(rows)
-        # a server that never idles; in RL a step's last rollout finishing must not pay for the step
-        if len(self.pending) >= inbox_size(self.config):
-            self.send_pending()
+        self.pending.append(rows)  # posted by the next poll that finds the server idle or a round's worth
 
-    def send_pending(self) -> None:
-        """Build the samples of finished requests and post them to the trainer. It runs when the
-        scheduler is idle (`poll`), off the rollout's path, or once the trainer's queue's worth waits."""
+    def send_pending(self, scheduler: Any, released: bool) -> None:
+        """Post what the trainer is owed: a changed target head first (the samples after it were
+        made by it), then the samples of finished requests. `poll` runs it when the scheduler is
+        idle, off the rollout's path, or once a round's worth of samples waits (a server that
+        never idles). A head is read only while the weights are in memory (not `released`)."""
+        if not released and (self.head_checksum is None or (self.head_pending and self.served_since_update)):
+            self.send_target_head(scheduler)
         pending, self.pending = self.pending, []
         for rows in pending:
             sample = rows.sample()
@@ -179,7 +180,7 @@ class CotrainRuntime:
         self.head_pending = True
 
     def send_target_head(self, scheduler: Any) -> None:
-        """Once rollouts run on the updated target, give the trainer the target's embedding and
+        """Once rollouts ran on the updated target, give the trainer the target's embedding and
         LM head if the update changed them (training reads them from disk only at start)."""
         from sglang_rl.adapters.eagle_draft import find_eagle_draft, same_tensor
 
@@ -207,12 +208,11 @@ class CotrainRuntime:
         idle = released or scheduler.is_fully_idle()
         if self.idle is not None:
             _note_idle(self.idle, idle)
-        if self.pending and idle:
-            self.send_pending()
+        # between batches: after an RL step's last rollout, its outputs have gone out already
+        if idle or len(self.pending) >= self.config.samples_per_round:
+            self.send_pending(scheduler, released)
         if released:
             return  # rounds wait in the outbox until resume: the draft's memory is unmapped now
-        if self.head_checksum is None or (self.head_pending and self.served_since_update):
-            self.send_target_head(scheduler)
         while True:
             try:
                 message = self.outbox.get_nowait()

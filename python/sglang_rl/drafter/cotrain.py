@@ -244,11 +244,23 @@ def peak_memory(device: torch.device) -> dict:
     """The training process's peak memory so far: resident host bytes, and on a CUDA device the
     bytes torch allocated there (None elsewhere). Printed in the statistics, where a long run
     shows whether they stay bounded."""
+    on_device = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return {"trainer_peak_rss_bytes": _peak_rss(), "trainer_peak_device_bytes": on_device}
+
+
+def _peak_rss() -> int:
+    """This process's peak resident bytes. Linux's VmHWM, not getrusage's maxrss: a spawned
+    process's maxrss starts at the size of the process it was forked from (the server's)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     import resource
 
-    host = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-    on_device = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    return {"trainer_peak_rss_bytes": host, "trainer_peak_device_bytes": on_device}
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 # how often an idle co-training process checks that the server that started it still runs
