@@ -4,11 +4,12 @@ The scheduler keeps its `CotrainRuntime` (`runtime_of`), and every request it qu
 by it: counted when it finishes, and (unless it sets `drafter_cotrain: false`) given a
 `CotrainRows` collector (`adapters/hidden_states.py`): the last `window` rows the target computed
 for it anyway (EAGLE's target captures them for its draft), routed by the same prefill/decode
-hooks as user-requested rows, never limiting the radix cache. When the request finishes, its ids, rows and the policy
-version are posted to the co-training process (`sglang_rl.drafter.cotrain`), which trains in
-rounds off the scheduler loop; the samples are built and posted between batches when the
-scheduler is idle (or once a round's worth waits), not at each request's finish. Between two batches the scheduler takes finished rounds from the
-outbox and loads them through the draft-only weight update (`adapters.drafter_weights`).
+hooks as user-requested rows, never limiting the radix cache. A finished request's ids, rows and
+policy version become a sample for the co-training process (`sglang_rl.drafter.cotrain`), which
+trains in rounds off the scheduler loop; samples are built and posted between batches, when the
+scheduler is idle or a round's worth waits. Between two batches the scheduler also takes finished
+rounds from the outbox and loads them through the draft-only weight update
+(`adapters.drafter_weights`).
 
 Acceptance per round is counted here from what sglang already measures per request:
 committed tokens over `spec_verify_ct` of the requests that finished while the round's weights
