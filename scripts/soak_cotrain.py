@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sample-s", type=float, default=60.0, help="seconds between two records")
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--buffer-mib", type=int, default=64, help="--drafter-cotrain-buffer-bytes, in MiB")
+    parser.add_argument("--buffer-mib", type=int, default=16, help="--drafter-cotrain-buffer-bytes, in MiB")
     parser.add_argument("--growth", type=float, default=0.10, help="largest memory growth over the second half")
     parser.add_argument("--out", default="soak_cotrain.jsonl")
     args = parser.parse_args(argv)
