@@ -21,7 +21,8 @@ import time
 
 import torch
 
-from sglang_rl.adapters.hidden_states import CotrainRows, add_decode_rows
+from sglang_rl.adapters.cotrain_rows import CotrainRows
+from sglang_rl.adapters.hidden_states import add_decode_rows
 from sglang_rl.adapters.request_state import state_of
 from sglang_rl.adapters.scheduler import decode_routes
 from sglang_rl.drafter.cotrain import sample_to_wire

@@ -2,7 +2,7 @@
 
 The scheduler keeps its `CotrainRuntime` (`runtime_of`), and every request it queues is adopted
 by it: counted when it finishes, and (unless it sets `drafter_cotrain: false`) given a
-`CotrainRows` collector (`adapters/hidden_states.py`): the last `window` rows the target computed
+`CotrainRows` collector (`adapters/cotrain_rows.py`): the last `window` rows the target computed
 for it anyway (EAGLE's target captures them for its draft), routed by the same prefill/decode
 hooks as user-requested rows, never limiting the radix cache. A finished request's ids, rows and
 policy version become a sample for the co-training process (`sglang_rl.drafter.cotrain`), which
@@ -33,9 +33,10 @@ from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 
 from sglang_rl.adapters.cotrain_metrics import CotrainMetrics
 from sglang_rl.adapters import cotrain_parallel as parallel
-from sglang_rl.adapters.hidden_states import CotrainRows
+from sglang_rl.adapters.cotrain_rows import CotrainRows
 from sglang_rl.adapters.request_state import cotrain_rows_of, kcbs_beam_of, kcbs_search_of, peek, state_of
 from sglang_rl.adapters.cotrain_config import config_from_args
+from sglang_rl.adapters.cotrain_idle import idle_event, note_idle, weights_released
 from sglang_rl.drafter.cotrain import (
     from_wire,
     inbox_size,
@@ -93,7 +94,7 @@ class CotrainRuntime:
             self.process = RemoteTrainer(address, inbox_size(self.config), authkey)
             self.inbox, self.outbox = self.process.inbox, self.process.outbox
         else:
-            self.idle = _idle_event() if self.config.train_in_gaps else None
+            self.idle = idle_event() if self.config.train_in_gaps else None
             self.process, self.inbox, self.outbox = start_cotrain_process(
                 self.config, "sglang-rl-drafter-cotrain", self.idle)
         self.policy_version = 0
@@ -208,7 +209,7 @@ class CotrainRuntime:
         released = weights_released(scheduler)
         idle = released or scheduler.is_fully_idle()
         if self.idle is not None:
-            _note_idle(self.idle, idle)
+            note_idle(self.idle, idle)
         # between batches: after an RL step's last rollout, its outputs have gone out already
         if idle or len(self.pending) >= self.config.samples_per_round:
             self.send_pending(scheduler, released)
@@ -297,29 +298,6 @@ class CotrainRuntime:
             self.process.join(timeout=5)
             if self.process.is_alive():
                 self.process.kill()
-
-
-def _idle_event() -> Any:
-    import multiprocessing
-
-    event = multiprocessing.get_context("spawn").Event()
-    event.set()
-    return event
-
-
-def _note_idle(event: Any, idle: bool) -> None:
-    """Tell the trainer (train_in_gaps) whether the scheduler is idle, on transitions only."""
-    if idle != event.is_set():
-        event.set() if idle else event.clear()
-
-
-def weights_released(scheduler: Any) -> bool:
-    """Whether the server's weights are released (`release_memory_occupation`, as verl's colocated
-    mode does around each update): a copy into them then fails with a CUDA error."""
-    from sglang.srt.constants import GPU_MEMORY_TYPE_WEIGHTS
-
-    updater = getattr(scheduler, "weight_updater", None)
-    return GPU_MEMORY_TYPE_WEIGHTS in getattr(updater, "offload_tags", ())
 
 
 def runtime_of(scheduler: Any) -> Optional[CotrainRuntime]:

@@ -150,7 +150,7 @@ class TpSwap:
 
     def swap(self, runtime: Any, scheduler: Any, draft_round: int) -> None:
         """Every rank, at the same iteration: load the round (waiting for it if rank 0 got it first)."""
-        from sglang_rl.adapters.cotrain import weights_released
+        from sglang_rl.adapters.cotrain_idle import weights_released
 
         if weights_released(scheduler):
             self.requested = min(self.requested, draft_round - 1)  # rank 0 asks again after resume

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:
     from sglang_rl.adapters.cotrain import CotrainRuntime
-    from sglang_rl.adapters.hidden_states import CotrainRows
+    from sglang_rl.adapters.cotrain_rows import CotrainRows
     from sglang_rl.adapters.hidden_states import RowCollector
     from sglang_rl.adapters.kcbs_manager import KcbsSearch
 
