@@ -1,0 +1,209 @@
+"""What an acceptance buys: EAGLE against plain decoding at set acceptances and batch sizes, and
+sglang's adaptive speculation configured from that curve.
+
+The pair is `spec_models.make_eagle_pair` (default: the 8B shape, 32 layers of 4096). The draft's
+acceptance is set without restarting the server: its `fc` (which passes the token embedding
+through) gets Gaussian noise of a chosen scale, pushed with `Engine.update_draft_weights_from_tensor`;
+more noise, more wrong drafts. For each wanted acceptance (tokens committed per verify step) the
+noise scale is found by bisection on a short batch, then every batch size is timed.
+
+Three processes, one after another, on one GPU:
+1. plain: the target alone;
+2. eagle: the target with the draft (3 steps, top-1, 4 draft tokens), at each acceptance;
+3. adaptive: the same with `--speculative-adaptive` and a config written from 1 and 2: at each
+   batch-size slot drafting is on (3 steps) while the running acceptance is above the slot's
+   break-even (where EAGLE's line crosses plain), off (0 steps) below it.
+
+    python benchmark/bench_spec_curve.py --tokenizer-dir TOK --work-dir /tmp/spec-curve
+
+prints one table (output tokens/s per cell, EAGLE and adaptive over plain) and the adaptive config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import engine_kwargs, print_table, random_prompts, run_in_subprocesses  # noqa: E402
+
+EAGLE = dict(speculative_algorithm="EAGLE", speculative_num_steps=3, speculative_eagle_topk=1,
+             speculative_num_draft_tokens=4)
+CALIBRATION_BATCH = 16
+
+
+def draft_fc(hidden: int, noise: float, seed: int = 1) -> torch.Tensor:
+    """The draft's `fc.weight`: the embedding half passed through plus noise, the row half dropped."""
+    gen = torch.Generator().manual_seed(seed)
+    eye = torch.eye(hidden) + noise * torch.randn(hidden, hidden, generator=gen) / hidden ** 0.5
+    return torch.cat([eye, torch.zeros(hidden, hidden)], dim=1).to(torch.bfloat16)
+
+
+def set_noise(llm, hidden: int, noise: float) -> None:
+    ok, message = llm.update_draft_weights_from_tensor([("fc.weight", draft_fc(hidden, noise))])
+    if not ok:
+        raise SystemExit(f"draft update failed: {message}")
+
+
+def timed(llm, batch: int, args: argparse.Namespace, runs: int) -> dict:
+    """Median output tok/s of `runs` batches (after one untimed) and tokens per verify step."""
+    prompts = random_prompts(batch, args.prompt_len, seed=batch)
+    sp = {"max_new_tokens": args.output_len, "temperature": 0, "ignore_eos": True}
+    rates, tokens, steps = [], 0, 0
+    for n in range(runs + 1):
+        llm.flush_cache()
+        t = time.perf_counter()
+        outs = llm.generate(input_ids=prompts, sampling_params=sp)
+        elapsed = time.perf_counter() - t
+        tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
+        steps = sum(o["meta_info"].get("spec_verify_ct", 0) for o in outs)
+        if n:
+            rates.append(tokens / elapsed)
+    return {"tok_s": round(statistics.median(rates), 1) if rates else None,
+            "tokens_per_step": round(tokens / steps, 2) if steps else None}
+
+
+def calibrate(llm, hidden: int, wanted: float, args: argparse.Namespace) -> tuple[float, float]:
+    """The noise scale whose acceptance (tokens per step) is closest to `wanted`, by bisection;
+    (0, the noiseless acceptance) when even that is below `wanted`."""
+    low, high, best = 0.0, args.max_noise, None
+    for noise in [0.0] + [None] * args.bisection_steps:
+        noise = (low + high) / 2 if noise is None else noise
+        set_noise(llm, hidden, noise)
+        got = timed(llm, CALIBRATION_BATCH, args, 0)["tokens_per_step"]
+        if best is None or abs(got - wanted) < abs(best[1] - wanted):
+            best = (noise, got)
+        if abs(got - wanted) <= 0.04 or (noise == 0.0 and got < wanted):
+            break
+        low, high = (noise, high) if got > wanted else (low, noise)
+    return best
+
+
+def one_process(args: argparse.Namespace) -> dict:
+    import sglang as sgl
+
+    from spec_models import make_eagle_pair
+
+    root = Path(args.work_dir) / f"h{args.hidden}-l{args.layers}-s{args.layer_scale}"
+    target, draft = make_eagle_pair(root, Path(args.tokenizer_dir), hidden=args.hidden, layers=args.layers,
+                                    layer_scale=args.layer_scale)
+    extra = {} if args.cpu else {"cuda_graph_max_bs_decode": max(args.batch_sizes)}
+    if args.mode != "plain":
+        extra.update(EAGLE, speculative_draft_model_path=str(draft))
+    if args.mode == "adaptive":
+        extra.update(speculative_adaptive=True, speculative_adaptive_config=args.adaptive_config)
+    t = time.perf_counter()
+    llm = sgl.Engine(**engine_kwargs(str(target), False, not args.cpu, **extra))
+    result = {"mode": args.mode, "startup_s": round(time.perf_counter() - t, 1), "cells": []}
+    try:
+        levels = [None] if args.mode == "plain" else args.accept
+        noises = json.loads(args.noises) if args.noises else {}
+        for wanted in levels:
+            if wanted is not None:
+                if str(wanted) not in noises:
+                    noises[str(wanted)] = calibrate(llm, args.hidden, wanted, args)[0]
+                set_noise(llm, args.hidden, noises[str(wanted)])
+            for batch in args.batch_sizes:
+                cell = timed(llm, batch, args, args.timed_runs)
+                result["cells"].append({"accept": wanted, "batch": batch, **cell})
+                print(f"# {args.mode} accept {wanted} batch {batch}: {cell}", flush=True)
+        result["noises"] = noises
+    finally:
+        llm.shutdown()
+    return result
+
+
+def break_even(plain: dict[int, float], eagle: list[dict], batch: int) -> float | None:
+    """Tokens per step where EAGLE's tok/s crosses plain's at `batch` (linear between measured
+    acceptances); None if EAGLE never pays there."""
+    points = sorted((c["tokens_per_step"], c["tok_s"] / plain[batch]) for c in eagle if c["batch"] == batch)
+    for (a0, r0), (a1, r1) in zip(points, points[1:]):
+        if r0 < 1.0 <= r1:
+            return a0 + (1.0 - r0) * (a1 - a0) / (r1 - r0)
+    return points[0][0] if points and points[0][1] >= 1.0 else None
+
+
+def adaptive_config(plain: dict[int, float], eagle: list[dict], batch_sizes: list[int]) -> dict:
+    """sglang's adaptive config: per batch-size slot, 3 draft steps or none, switching at the
+    break-even (sglang compares the running mean of accepted drafts, i.e. tokens per step - 1,
+    with 0.5 + down_hysteresis when it may drop to 0 steps)."""
+    config = {}
+    steps = EAGLE["speculative_num_steps"]
+    for batch in batch_sizes:
+        even = break_even(plain, eagle, batch)
+        # never pays: a threshold no chain reaches, so every probe drops straight back to 0 steps
+        threshold = steps + 1.5 if even is None else even
+        config[str(batch)] = {"candidate_steps": [0, steps], "warmup_batches": 4, "update_interval": 4,
+                              "down_hysteresis": round(threshold - 1 - 0.5, 3),
+                              "break_even_tokens_per_step": None if even is None else round(even, 3)}
+    return config
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokenizer-dir", required=True, help="tokenizer files copied into the written target")
+    p.add_argument("--work-dir", default="/tmp/spec-curve", help="where the pair is written (kept)")
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--layer-scale", type=float, default=0.006,
+                   help="the target's context part (smaller: the noiseless draft is accepted more often)")
+    p.add_argument("--accept", type=float, nargs="+", default=[1.5, 2.0, 2.5, 3.0, 3.5],
+                   help="tokens per verify step to set")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--timed-runs", type=int, default=2)
+    p.add_argument("--bisection-steps", type=int, default=8)
+    p.add_argument("--max-noise", type=float, default=4.0, help="upper end of the noise bisection")
+    p.add_argument("--modes", default="plain,eagle,adaptive")
+    p.add_argument("--cpu", action="store_true", help="run on the CPU (float32; a small --hidden to try it)")
+    p.add_argument("--out", help="write every process's result here (JSON)")
+    p.add_argument("--mode", help=argparse.SUPPRESS)
+    p.add_argument("--noises", help=argparse.SUPPRESS)
+    p.add_argument("--adaptive-config", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.mode:
+        print("RESULT " + json.dumps(one_process(args)), flush=True)
+        return
+
+    modes = args.modes.split(",")
+    argv = [a for a in sys.argv[1:]]
+    results = {r["mode"]: r for r in run_in_subprocesses(__file__, argv, "--mode", [m for m in modes if m != "adaptive"])}
+    plain = {c["batch"]: c["tok_s"] for c in results["plain"]["cells"]}
+    rows = [{"accept_set": "plain", "batch": b, "plain_tok_s": s} for b, s in plain.items()]
+    if "eagle" in results:
+        eagle = results["eagle"]["cells"]
+        config = adaptive_config(plain, eagle, args.batch_sizes)
+        if "adaptive" in modes:
+            config_path = Path(args.work_dir) / "adaptive_config.json"
+            config_path.write_text(json.dumps(config, indent=1))
+            extra = argv + ["--noises", json.dumps(results["eagle"]["noises"]), "--adaptive-config", str(config_path)]
+            results.update({r["mode"]: r for r in run_in_subprocesses(__file__, extra, "--mode", ["adaptive"])})
+        adaptive = {(c["accept"], c["batch"]): c for c in results.get("adaptive", {}).get("cells", [])}
+        rows = []
+        for c in eagle:
+            a = adaptive.get((c["accept"], c["batch"]), {})
+            rows.append({"accept_set": c["accept"], "batch": c["batch"], "tokens_per_step": c["tokens_per_step"],
+                         "plain_tok_s": plain[c["batch"]], "eagle_tok_s": c["tok_s"],
+                         "eagle_vs_plain": round(c["tok_s"] / plain[c["batch"]], 3),
+                         "adaptive_tok_s": a.get("tok_s", ""),
+                         "adaptive_vs_plain": round(a["tok_s"] / plain[c["batch"]], 3) if a else "",
+                         "adaptive_tokens_per_step": a.get("tokens_per_step", "")})
+        print("\nadaptive config (break-even tokens per step per batch-size slot):")
+        print(json.dumps(config))
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+    print(f"\nEAGLE (3 steps, top-1) vs plain decoding, h{args.hidden} x {args.layers} layers, greedy, "
+          f"{args.prompt_len} prompt + {args.output_len} output tokens, median of {args.timed_runs} timed runs")
+    print_table(rows, ["accept_set", "batch", "tokens_per_step", "plain_tok_s", "eagle_tok_s", "eagle_vs_plain",
+                       "adaptive_tok_s", "adaptive_vs_plain", "adaptive_tokens_per_step"])
+
+
+if __name__ == "__main__":
+    main()
