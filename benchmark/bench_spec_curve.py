@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -96,13 +97,15 @@ def one_process(args: argparse.Namespace) -> dict:
     extra = {} if args.cpu else {"cuda_graph_max_bs_decode": max(args.batch_sizes)}
     if args.mode != "plain":
         extra.update(EAGLE, speculative_draft_model_path=str(draft))
-    if args.mode == "adaptive":
+    if args.mode in ("adaptive", "off"):
         extra.update(speculative_adaptive=True, speculative_adaptive_config=args.adaptive_config)
+    if args.skip_zero_step_draft_extend:
+        os.environ["SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND"] = "1"
     t = time.perf_counter()
     llm = sgl.Engine(**engine_kwargs(str(target), False, not args.cpu, **extra))
     result = {"mode": args.mode, "startup_s": round(time.perf_counter() - t, 1), "cells": []}
     try:
-        levels = [None] if args.mode == "plain" else args.accept
+        levels = [None] if args.mode in ("plain", "off") else args.accept  # off: the draft is unused
         noises = json.loads(args.noises) if args.noises else {}
         for wanted in levels:
             if wanted is not None:
@@ -137,11 +140,21 @@ def adaptive_config(plain: dict[int, float], eagle: list[dict], batch_sizes: lis
     steps = EAGLE["speculative_num_steps"]
     for batch in batch_sizes:
         even = break_even(plain, eagle, batch)
-        # never pays: a threshold no chain reaches, so every probe drops straight back to 0 steps
-        threshold = steps + 1.5 if even is None else even
-        config[str(batch)] = {"candidate_steps": [0, steps], "warmup_batches": 4, "update_interval": 4,
-                              "down_hysteresis": round(threshold - 1 - 0.5, 3),
-                              "break_even_tokens_per_step": None if even is None else round(even, 3)}
+        if even is None or even > steps + 1:
+            config[str(batch)] = {"candidate_steps": [0]}  # never pays: never probe
+        else:
+            config[str(batch)] = {"candidate_steps": [0, steps], "warmup_batches": 4, "update_interval": 4,
+                                  "down_hysteresis": round(even - 1 - 0.5, 3),
+                                  "break_even_tokens_per_step": round(even, 3)}
+    return with_drafting_slot(config, batch_sizes)
+
+
+def with_drafting_slot(config: dict, batch_sizes: list[int]) -> dict:
+    """sglang needs --speculative-num-steps among the config's steps: a slot above every timed
+    batch size holds it if no timed slot drafts."""
+    steps = EAGLE["speculative_num_steps"]
+    if not any(steps in slot["candidate_steps"] for slot in config.values()):
+        config[str(2 * max(batch_sizes))] = {"candidate_steps": [0, steps]}
     return config
 
 
@@ -161,7 +174,13 @@ def main() -> None:
     p.add_argument("--timed-runs", type=int, default=2)
     p.add_argument("--bisection-steps", type=int, default=8)
     p.add_argument("--max-noise", type=float, default=4.0, help="upper end of the noise bisection")
-    p.add_argument("--modes", default="plain,eagle,adaptive")
+    p.add_argument("--modes", default="plain,eagle,off,adaptive",
+                   help="off: adaptive speculation held at 0 draft steps (what drafting switched off costs)")
+    p.add_argument("--skip-zero-step-draft-extend", action="store_true",
+                   help="sglang's SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND: at 0 steps the draft's KV cache is "
+                   "not extended")
+    p.add_argument("--reuse", help="a previous --out file: take its plain and eagle results instead of "
+                   "running those modes again")
     p.add_argument("--cpu", action="store_true", help="run on the CPU (float32; a small --hidden to try it)")
     p.add_argument("--out", help="write every process's result here (JSON)")
     p.add_argument("--mode", help=argparse.SUPPRESS)
@@ -173,28 +192,36 @@ def main() -> None:
         return
 
     modes = args.modes.split(",")
-    argv = [a for a in sys.argv[1:]]
-    results = {r["mode"]: r for r in run_in_subprocesses(__file__, argv, "--mode", [m for m in modes if m != "adaptive"])}
+    argv = list(sys.argv[1:])
+    results = json.loads(Path(args.reuse).read_text()) if args.reuse else {}
+    first = [m for m in modes if m in ("plain", "eagle") and m not in results]
+    results.update({r["mode"]: r for r in run_in_subprocesses(__file__, argv, "--mode", first)})
     plain = {c["batch"]: c["tok_s"] for c in results["plain"]["cells"]}
     rows = [{"accept_set": "plain", "batch": b, "plain_tok_s": s} for b, s in plain.items()]
     if "eagle" in results:
         eagle = results["eagle"]["cells"]
         config = adaptive_config(plain, eagle, args.batch_sizes)
-        if "adaptive" in modes:
-            config_path = Path(args.work_dir) / "adaptive_config.json"
-            config_path.write_text(json.dumps(config, indent=1))
-            extra = argv + ["--noises", json.dumps(results["eagle"]["noises"]), "--adaptive-config", str(config_path)]
-            results.update({r["mode"]: r for r in run_in_subprocesses(__file__, extra, "--mode", ["adaptive"])})
-        adaptive = {(c["accept"], c["batch"]): c for c in results.get("adaptive", {}).get("cells", [])}
+        noises = ["--noises", json.dumps(results["eagle"]["noises"])]
+        for mode, mode_config in (("off", with_drafting_slot({"1": {"candidate_steps": [0]}}, args.batch_sizes)),
+                                  ("adaptive", config)):
+            if mode in modes:
+                path = Path(args.work_dir) / f"{mode}_config.json"
+                path.write_text(json.dumps(mode_config, indent=1))
+                extra = argv + noises + ["--adaptive-config", str(path)]
+                results.update({r["mode"]: r for r in run_in_subprocesses(__file__, extra, "--mode", [mode])})
+        by_mode = {m: {(c["accept"], c["batch"]): c for c in results.get(m, {}).get("cells", [])}
+                   for m in ("off", "adaptive")}
         rows = []
         for c in eagle:
-            a = adaptive.get((c["accept"], c["batch"]), {})
-            rows.append({"accept_set": c["accept"], "batch": c["batch"], "tokens_per_step": c["tokens_per_step"],
-                         "plain_tok_s": plain[c["batch"]], "eagle_tok_s": c["tok_s"],
-                         "eagle_vs_plain": round(c["tok_s"] / plain[c["batch"]], 3),
-                         "adaptive_tok_s": a.get("tok_s", ""),
-                         "adaptive_vs_plain": round(a["tok_s"] / plain[c["batch"]], 3) if a else "",
-                         "adaptive_tokens_per_step": a.get("tokens_per_step", "")})
+            row = {"accept_set": c["accept"], "batch": c["batch"], "tokens_per_step": c["tokens_per_step"],
+                   "plain_tok_s": plain[c["batch"]], "eagle_tok_s": c["tok_s"],
+                   "eagle_vs_plain": round(c["tok_s"] / plain[c["batch"]], 3)}
+            for m, cells in by_mode.items():
+                got = cells.get((None if m == "off" else c["accept"], c["batch"]))
+                if got:
+                    row.update({f"{m}_tok_s": got["tok_s"], f"{m}_vs_plain": round(got["tok_s"] / plain[c["batch"]], 3),
+                                f"{m}_tokens_per_step": got["tokens_per_step"]})
+            rows.append(row)
         print("\nadaptive config (break-even tokens per step per batch-size slot):")
         print(json.dumps(config))
     if args.out:
@@ -202,7 +229,7 @@ def main() -> None:
     print(f"\nEAGLE (3 steps, top-1) vs plain decoding, h{args.hidden} x {args.layers} layers, greedy, "
           f"{args.prompt_len} prompt + {args.output_len} output tokens, median of {args.timed_runs} timed runs")
     print_table(rows, ["accept_set", "batch", "tokens_per_step", "plain_tok_s", "eagle_tok_s", "eagle_vs_plain",
-                       "adaptive_tok_s", "adaptive_vs_plain", "adaptive_tokens_per_step"])
+                       "off_tok_s", "off_vs_plain", "adaptive_tok_s", "adaptive_vs_plain", "adaptive_tokens_per_step"])
 
 
 if __name__ == "__main__":
