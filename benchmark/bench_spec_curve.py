@@ -158,6 +158,34 @@ def with_drafting_slot(config: dict, batch_sizes: list[int]) -> dict:
     return config
 
 
+def plot(results: dict, png: str) -> None:
+    """EAGLE over plain against tokens per step, one line per batch size; drafting off dotted."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plain = {c["batch"]: c["tok_s"] for c in results["plain"]["cells"]}
+    off = {c["batch"]: c["tok_s"] for c in results.get("off", {}).get("cells", [])}
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for batch in sorted(plain):
+        cells = sorted((c for c in results["eagle"]["cells"] if c["batch"] == batch), key=lambda c: c["tokens_per_step"])
+        line, = ax.plot([c["tokens_per_step"] for c in cells], [c["tok_s"] / plain[batch] for c in cells], "o-",
+                        label=f"EAGLE, batch {batch}")
+        if batch in off:
+            ax.axhline(off[batch] / plain[batch], color=line.get_color(), ls=":", lw=1,
+                       label=f"drafting off (0 steps), batch {batch}")
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_xlabel("accepted tokens per verify step")
+    ax.set_ylabel("output tokens/s over plain decoding")
+    ax.set_title("8B-shaped Llama (32 x 4096), EAGLE 3 steps top-1, H200")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(png, dpi=130)
+    print(f"wrote {png}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokenizer-dir", required=True, help="tokenizer files copied into the written target")
@@ -183,6 +211,7 @@ def main() -> None:
                    "running those modes again")
     p.add_argument("--cpu", action="store_true", help="run on the CPU (float32; a small --hidden to try it)")
     p.add_argument("--out", help="write every process's result here (JSON)")
+    p.add_argument("--plot", metavar="PNG", help="only draw the curve of --reuse's results into PNG")
     p.add_argument("--mode", help=argparse.SUPPRESS)
     p.add_argument("--noises", help=argparse.SUPPRESS)
     p.add_argument("--adaptive-config", help=argparse.SUPPRESS)
@@ -191,9 +220,13 @@ def main() -> None:
         print("RESULT " + json.dumps(one_process(args)), flush=True)
         return
 
+    if args.plot:
+        plot(json.loads(Path(args.reuse).read_text()), args.plot)
+        return
     modes = args.modes.split(",")
     argv = list(sys.argv[1:])
     results = json.loads(Path(args.reuse).read_text()) if args.reuse else {}
+    Path(args.work_dir).mkdir(parents=True, exist_ok=True)
     first = [m for m in modes if m in ("plain", "eagle") and m not in results]
     results.update({r["mode"]: r for r in run_in_subprocesses(__file__, argv, "--mode", first)})
     plain = {c["batch"]: c["tok_s"] for c in results["plain"]["cells"]}
