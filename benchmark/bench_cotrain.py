@@ -44,6 +44,11 @@ from sglang_rl.drafter.acceptance import merge_histograms, position_accept_rates
 
 SPEC = dict(speculative_algorithm="EAGLE", speculative_num_steps=3, speculative_eagle_topk=1,
             speculative_num_draft_tokens=4)
+
+
+def spec_for(args: argparse.Namespace) -> dict:
+    """sglang's speculative settings of the chosen drafter kind (--arch)."""
+    return {**SPEC, "speculative_algorithm": args.arch.upper()}
 SPEED_CONFIGS = ("plain", "spec", "cotrain-same", "cotrain-gaps", "cotrain-optout", "cotrain-cuda1", "cotrain-cpu")
 
 
@@ -100,10 +105,10 @@ def cotrain_kwargs(samples_per_round: int, steps: int, lr: float, samples_per_st
     return kw
 
 
-def ensure_init_drafter(model_path: str, out: Path) -> Path:
+def ensure_init_drafter(model_path: str, out: Path, arch: str = "eagle") -> Path:
     if not (out / "config.json").exists():
         subprocess.run([sys.executable, "-m", "sglang_rl.drafter", "init", "--model-path", model_path,
-                        "--out", str(out)], check=True)
+                        "--out", str(out), "--arch", arch], check=True)
     return out
 
 
@@ -233,9 +238,10 @@ def run_train(args: argparse.Namespace) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     train, held = split(prompt_ids(args.model_path, gsm8k_path(args.gsm8k)), args.held_out)
-    init_dir = ensure_init_drafter(args.model_path, Path(args.draft_init or out / "drafter_init"))
+    init_dir = ensure_init_drafter(args.model_path, Path(args.draft_init or out / f"drafter_init_{args.arch}"),
+                                   args.arch)
     kw = base_kwargs(args, args.gpu_id, args.port, graph_bs=max(args.held_out, args.samples_per_round))
-    kw.update(SPEC, speculative_draft_model_path=str(init_dir))
+    kw.update(spec_for(args), speculative_draft_model_path=str(init_dir))
     kw.update(cotrain_kwargs(args.samples_per_round, args.steps, args.lr, args.samples_per_step, args.window,
                              args.soft_topk, args.cotrain_device, args.threads, unroll_steps=args.unroll_steps,
                              replay_samples=args.replay_samples, lr_schedule=args.lr_schedule,
@@ -314,7 +320,7 @@ def run_train(args: argparse.Namespace) -> dict:
             "config": {k: getattr(args, k) for k in ("samples_per_round", "steps", "lr", "samples_per_step", "window",
                                                        "soft_topk", "cotrain_device", "held_out", "max_new_tokens",
                                                        "rollouts", "drift_sigma", "drift_rounds", "unroll_steps",
-                                                       "replay_samples", "lr_schedule", "train_dtype", "seed")},
+                                                       "replay_samples", "lr_schedule", "train_dtype", "seed", "arch")},
             "train_prompts": len(train), "note": note, "drafter_saved": saved, "drift": drift,
             "training_traffic_tok_s": round(run.train_tokens / run.train_seconds, 1) if run.train_seconds else None,
             "records": records, "final_stats": final}
@@ -351,7 +357,7 @@ def run_speed_config(args: argparse.Namespace, name: str) -> dict:
     kw = base_kwargs(args, 0, args.port, graph_bs=max(max(args.batch_sizes), args.cost_batch))
     cotrain = name.startswith("cotrain")
     if name != "plain":
-        kw.update(SPEC, speculative_draft_model_path=args.drafter)
+        kw.update(spec_for(args), speculative_draft_model_path=args.drafter)
     if cotrain:
         device = {"cotrain-same": None, "cotrain-gaps": None, "cotrain-optout": None, "cotrain-cuda1": "cuda:1",
                   "cotrain-cpu": "cpu"}[name]
@@ -552,6 +558,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=0, help="Engine port (distinct for Engines run side by side)")
     p.add_argument("--gpu-id", type=int, default=0)
     # co-training
+    p.add_argument("--arch", choices=["eagle", "eagle3"], default="eagle", help="drafter kind (EAGLE or EAGLE3)")
     p.add_argument("--draft-init", help="random-init drafter folder (made with sglang_rl.drafter init if missing)")
     p.add_argument("--rollouts", type=int, default=2000, help="training rollouts before the drift test")
     p.add_argument("--samples-per-round", type=int, default=64)

@@ -151,11 +151,12 @@ def hook_table() -> list[Hook]:
              "the scheduler decodes the draft-only weight requests and dispatches them to the draft"),
         Hook(f"{SCHED}.weight_updater.SchedulerWeightUpdaterManager.update_weights_from_tensor", AROUND,
              drafter_weights.target_update_from_tensor_around,
-             "with an EAGLE-1/2 draft, a target update goes to the target only (sglang also feeds "
-             "its names to the draft), then the draft's shared embed/head are re-checked"),
+             "with an EAGLE draft, a target update goes to the target only (sglang also feeds its "
+             "names to the draft: an EAGLE3 draft's layers.0 would take the target's), then the "
+             "draft's shared tensors are re-checked"),
         Hook(f"{SCHED}.weight_updater.SchedulerWeightUpdaterManager.update_weights_from_disk", AROUND,
              drafter_weights.target_update_from_disk_around,
-             "with an EAGLE-1/2 draft, the target's checkpoint loads into the target only (sglang "
+             "with an EAGLE draft, the target's checkpoint loads into the target only (sglang "
              "also reads it into the draft and repoints the draft's model_path)"),
         Hook(f"{SRT}.entrypoints.engine.Engine._launch_subprocesses", AFTER,
              drafter_weights_api.launch_subprocesses_after,

@@ -63,7 +63,7 @@ class RLServerArgs(ServerArgs):
         bool,
         "sglang-rl: co-train the EAGLE drafter on this server's own rollouts and hot-swap it into "
         "the running server after every training round (needs --speculative-algorithm EAGLE "
-        "with an EAGLE-1/2 --speculative-draft-model-path).",
+        "or EAGLE3 with a --speculative-draft-model-path of that kind).",
     ] = False
     drafter_cotrain_buffer_bytes: A[
         int, "sglang-rl: byte budget of the co-training sample buffer (oldest samples go first)."
@@ -180,15 +180,36 @@ class RLServerArgs(ServerArgs):
                 f"{str(self.speculative_algorithm).upper()}: {reason}"
             )
 
+    def _check_cotrain_eagle3(self) -> None:
+        """An EAGLE3 drafter co-trains when it has its own LM head (the one training changes)."""
+        import json
+        from pathlib import Path
+
+        try:
+            config = json.loads((Path(self.speculative_draft_model_path) / "config.json").read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"--drafter-cotrain: cannot read the draft's config.json: {exc}") from exc
+        if config.get("architectures") != ["LlamaForCausalLMEagle3"]:
+            raise ValueError("--drafter-cotrain with EAGLE3 trains LlamaForCausalLMEagle3 drafters; "
+                             f"the draft is {config.get('architectures')}")
+        if config.get("tie_word_embeddings") or config.get("draft_vocab_size") is None:
+            raise ValueError("--drafter-cotrain with EAGLE3 needs a draft with its own LM head "
+                             "(draft_vocab_size set, tie_word_embeddings false), as `sglang-rl drafter "
+                             "init --arch eagle3` writes")
+        if self.tp_size > 1:
+            raise ValueError("--drafter-cotrain with EAGLE3 runs with --tp-size 1 (--dp-size is supported)")
+
     def _check_cotrain(self) -> None:
         """Refuse a co-training setup that cannot work, with the reason, before anything starts."""
         algorithm = (self.speculative_algorithm or "").upper()
-        if algorithm not in ("EAGLE", "NEXTN") or not self.speculative_draft_model_path:
+        if algorithm not in ("EAGLE", "NEXTN", "EAGLE3") or not self.speculative_draft_model_path:
             raise ValueError(
-                "--drafter-cotrain trains an EAGLE-1/2 drafter: start the server with "
-                "--speculative-algorithm EAGLE --speculative-draft-model-path DIR "
-                "(make one with `sglang-rl drafter init --model-path MODEL --out DIR`)"
+                "--drafter-cotrain trains an EAGLE drafter: start the server with "
+                "--speculative-algorithm EAGLE (or EAGLE3) --speculative-draft-model-path DIR "
+                "(make one with `sglang-rl drafter init --model-path MODEL --out DIR [--arch eagle3]`)"
             )
+        if algorithm == "EAGLE3":
+            self._check_cotrain_eagle3()
         if self.pp_size != 1 or self.enable_dp_attention:
             raise ValueError("--drafter-cotrain supports tensor and data parallelism (--tp-size, --dp-size), "
                              "not pipeline parallelism or --enable-dp-attention")

@@ -134,11 +134,17 @@ def test_read_refuses_a_broken_mapping_or_a_missing_tensor(tmp_path: Path) -> No
         read_eagle3(save_eagle3(tmp_path / "c", cfg, {k: v for k, v in tensors.items() if k != "norm.weight"}))
 
 
-def test_eagle1_loading_refuses_an_eagle3_folder_with_the_reason(tmp_path: Path) -> None:
+def test_loading_an_eagle3_folder_gives_the_eagle3_drafter_and_eagle1_refuses_its_config(tmp_path: Path) -> None:
+    from sglang_rl.drafter import DrafterConfig, EagleDrafter
+    from sglang_rl.drafter.eagle3_model import Eagle3Drafter
+
     folder = target(tmp_path)
     out = save_eagle3(tmp_path / "draft", *init_eagle3(folder, 8))
-    with pytest.raises(DrafterConfigError, match="EAGLE3 drafter"):
-        load_drafter(out, folder)
+    model = load_drafter(out, folder)
+    assert isinstance(model, Eagle3Drafter) and model.draft_vocab_size == 8
+    head = load_target_head(folder)
+    with pytest.raises(DrafterConfigError, match="EAGLE3 drafter config"):
+        EagleDrafter(DrafterConfig.from_dir(out), head)
 
 
 def test_cli_init_eagle3(tmp_path: Path, capsys) -> None:

@@ -11,11 +11,13 @@ from sglang_rl.drafter.unroll import unroll_valid, unrolled_predictions
 from test_drafter_training import H, V, rollout_samples, tiny_drafter
 
 
-def packed(lengths: list[int], seed: int = 0) -> tuple[torch.Tensor, ...]:
+def packed(lengths: list[int], seed: int = 0, width: int = H, vocab: int = V,
+           dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, ...]:
+    """(ids, rows, positions, cu_seqlens) of random sequences of ``lengths``, packed."""
     gen = torch.Generator().manual_seed(seed)
     n = sum(lengths)
-    ids = torch.randint(0, V, (n,), generator=gen)
-    rows = torch.randn(n, H, generator=gen, dtype=torch.float64)
+    ids = torch.randint(0, vocab, (n,), generator=gen)
+    rows = torch.randn(n, width, generator=gen, dtype=dtype)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     pos = torch.cat([torch.arange(n_) for n_ in lengths])
     return ids, rows, pos, cu
@@ -34,16 +36,21 @@ def chained_row(model, ids, rows, start: int, t: int, step: int) -> torch.Tensor
     return last
 
 
+def assert_steps_are_chained(preds: list, chained, segments: tuple = ((0, 7), (7, 16))) -> None:
+    """Every unrolled step's output at every position with a whole chain equals
+    ``chained(start, t, step)``, the serving-style chain computed one step at a time."""
+    for step, pred in enumerate(preds):
+        for a, b in segments:
+            for t in range(a + step, b):
+                torch.testing.assert_close(pred[t], chained(a, t, step), rtol=1e-10, atol=1e-10)
+
+
 def test_every_unrolled_step_is_the_chained_draft_step() -> None:
     model = tiny_drafter().double()
     ids, rows, pos, cu = packed([7, 9])
     preds = unrolled_predictions(model, ids, rows, pos, cu, 3)
     assert torch.equal(preds[0], model(ids, rows, pos, cu))
-    for step in range(3):
-        for a, b in ((0, 7), (7, 16)):
-            for t in range(a + step, b):
-                torch.testing.assert_close(preds[step][t], chained_row(model, ids, rows, a, t, step),
-                                           rtol=1e-10, atol=1e-10)
+    assert_steps_are_chained(preds, lambda a, t, step: chained_row(model, ids, rows, a, t, step))
     valid = unroll_valid(cu, 16, 2)
     assert valid.tolist() == [0, 0] + [1] * 5 + [0, 0] + [1] * 7
 

@@ -184,7 +184,7 @@ class CotrainRuntime:
     def send_target_head(self, scheduler: Any) -> None:
         """Once rollouts ran on the updated target, give the trainer the target's embedding and
         LM head if the update changed them (training reads them from disk only at start)."""
-        from sglang_rl.adapters.eagle_draft import find_eagle_draft, same_tensor
+        from sglang_rl.adapters.eagle_draft import find_eagle_draft, is_eagle3, same_tensor
 
         eagle, _ = find_eagle_draft(getattr(scheduler, "draft_worker", None))
         # with TP each rank holds a vocabulary shard of the embedding: the trainer keeps its own
@@ -196,7 +196,9 @@ class CotrainRuntime:
         if checksum == self.head_checksum or not self.head_pending:
             self.head_checksum, self.head_pending = checksum, False
             return
-        message = ("target_head", to_wire(embed), None if same_tensor(embed, head) else to_wire(head))
+        # an EAGLE3 drafter trains its own head over the draft vocabulary: the embedding is enough
+        own_head = same_tensor(embed, head) or is_eagle3(eagle)
+        message = ("target_head", to_wire(embed), None if own_head else to_wire(head))
         try:
             self.inbox.put(message, timeout=1.0)
         except queue.Full:

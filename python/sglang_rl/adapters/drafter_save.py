@@ -2,9 +2,10 @@
 
 One scheduler request, `SaveDraftWeightsReqInput`, registered as an IPC type and in the
 scheduler's request dispatcher (see hooks.py). The scheduler holds the draft's parameters, so it
-writes the folder itself, between batches: the tensors of the live EAGLE-1/2 draft, unfused back
+writes the folder itself, between batches: the tensors of the live EAGLE draft, unfused back
 into drafter checkpoint names (`adapters/eagle_draft.draft_spec`), in the dtype it serves, with
-the config.json sglang loaded the draft from. The folder is written by
+the config.json sglang loaded the draft from (an EAGLE3 draft in SpecForge's names, `midlayer.*`,
+with its draft vocabulary mapping `d2t`/`t2d`). The folder is written by
 `sglang_rl.drafter.saved_folder.write_drafter_folder` (atomic, refusals with the reason).
 
 The reply travels as a GetWeightsByName output (like the co-training statistics), so no new IPC
@@ -25,7 +26,7 @@ from typing import Any, Optional
 import torch
 from sglang.srt.managers.io_struct import GetWeightsByNameReqInput, GetWeightsByNameReqOutput
 
-from sglang_rl.adapters.eagle_draft import draft_spec, find_eagle_draft
+from sglang_rl.adapters.eagle_draft import draft_spec, find_eagle_draft, is_eagle3
 from sglang_rl.drafter.config import dtype_name
 from sglang_rl.drafter.saved_folder import DraftSaveError, write_drafter_folder
 
@@ -44,16 +45,33 @@ class SaveDraftWeightsReqInput(GetWeightsByNameReqInput, kw_only=True):
 
 def served_tensors(eagle: Any) -> dict[str, torch.Tensor]:
     """The draft's own tensors under drafter checkpoint names (fused q/k/v and gate/up split
-    back), as CPU copies; the embedding and LM head are the target's and are not saved."""
+    back), as CPU copies; the target's embedding (and an EAGLE-1/2 draft's LM head, also the
+    target's) is not saved."""
     spec, params = draft_spec(eagle)
     out = {}
     for name, slot in sorted(spec.slots.items()):
         tensor = params[slot.param].data
         if slot.rows is not None:
             tensor = tensor[slot.rows[0]:slot.rows[1]]
+        if name == "lm_head.weight" and tensor.shape[0] > slot.shape[0]:
+            tensor = tensor[:slot.shape[0]]  # an EAGLE3 head's vocabulary padding
         if tuple(tensor.shape) != slot.shape:  # a TP shard: refused before, checked again here
             raise DraftSaveError(f"{name}: this rank holds {list(tensor.shape)} of {list(slot.shape)}")
         out[name] = tensor.detach().to("cpu", copy=True).contiguous()
+    return out
+
+
+def eagle3_layout(eagle: Any, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """An EAGLE3 draft's tensors as its folder holds them: the layer under SpecForge's name
+    (``midlayer.``) and the draft vocabulary mapping the server reads at start (``d2t``, ``t2d``)."""
+    out = {name.replace("layers.0.", "midlayer.", 1): t for name, t in tensors.items()}
+    hot = getattr(eagle, "hot_token_id", None)
+    vocab = int(eagle.target_worker.model_runner.model_config.vocab_size)
+    rows = out["lm_head.weight"].shape[0]
+    ids = torch.arange(rows) if hot is None else hot.detach().to("cpu", torch.int64)
+    out["d2t"] = ids - torch.arange(rows)
+    out["t2d"] = torch.zeros(vocab, dtype=torch.bool)
+    out["t2d"][ids] = True
     return out
 
 
@@ -102,6 +120,8 @@ def save_served_drafter(scheduler: Any, path: str, overwrite: bool = False) -> d
     version = _version(scheduler)
     tensors = served_tensors(eagle)
     dtype = next(iter(tensors.values())).dtype
+    if is_eagle3(eagle):
+        tensors = eagle3_layout(eagle, tensors)
     metadata = {**version, "source": str(getattr(eagle.draft_runner.model_config, "model_path", "")),
                 "dtype": dtype_name(dtype), "tensors": sorted(tensors)}
     folder = write_drafter_folder(path, served_config(eagle, dtype), tensors, metadata, overwrite=overwrite)

@@ -15,7 +15,7 @@ target's own tensors, so a draft update may not carry them. The update does not 
 requests: their tokens are verified by the unchanged target, so a new draft changes only how many
 draft tokens are accepted, never the output. The cache is flushed only when the server is idle.
 
-On a server with an EAGLE-1/2 draft, sglang's own target updates would also feed the target's
+On a server with an EAGLE draft, sglang's own target updates would also feed the target's
 tensors to the draft model (eagle_worker_v2 loads the same names into both; update_weights_from_disk
 reads the target's checkpoint into the draft). The draft's loader prefixes the names once more
 (``model.model.layers...``) and ignores them, so the default format corrupts nothing, but every
@@ -47,7 +47,7 @@ from sglang.srt.managers.io_struct import (
     hook_custom_types,
 )
 
-from sglang_rl.adapters.eagle_draft import draft_spec, find_eagle_draft, resync_shared_tensors
+from sglang_rl.adapters.eagle_draft import draft_spec, find_eagle_draft, is_eagle3, resync_shared_tensors
 from sglang_rl.draft_weight_check import (
     DraftWeightError,
     TensorInfo,
@@ -229,12 +229,15 @@ def update_from_disk(scheduler: Any, req: DraftWeightsFromDiskReqInput) -> Updat
 
         eagle = _eagle_or_refuse(scheduler)
         spec, _ = draft_spec(eagle)
-        load, skipped = plan_checkpoint_load(spec, checkpoint_entries(req.model_path))
+        # an EAGLE3 folder names its layer as SpecForge does (midlayer.*); sglang's draft, layers.0.*
+        rename = (lambda n: n.replace("midlayer.", "layers.0.", 1)) if is_eagle3(eagle) else (lambda n: n)
+        entries = [e._replace(name=rename(e.name)) for e in checkpoint_entries(req.model_path)]
+        load, skipped = plan_checkpoint_load(spec, entries)
         named = []
         for file in sorted({e.file for e in load}):
             wanted = {e.name for e in load if e.file == file}
             with safe_open(str(file), framework="pt") as f:
-                named.extend((name, f.get_tensor(name)) for name in f.keys() if name in wanted)
+                named.extend((rename(key), f.get_tensor(key)) for key in f.keys() if rename(key) in wanted)
         start = time.perf_counter()
         _load(eagle, named)
         took = time.perf_counter() - start
@@ -280,7 +283,7 @@ def request_dispatcher_after(result: Any, scheduler: Any, *args: Any, **kwargs: 
 
 
 def target_update_from_tensor_around(original: Callable, manager: Any, recv_req: Any) -> Any:
-    """AROUND SchedulerWeightUpdaterManager.update_weights_from_tensor: with an EAGLE-1/2 draft,
+    """AROUND SchedulerWeightUpdaterManager.update_weights_from_tensor: with an EAGLE draft,
     an update that does not choose (disable_draft_model unset) goes to the target only."""
     eagle, _ = find_eagle_draft(manager.draft_worker)
     if eagle is None:
@@ -294,7 +297,7 @@ def target_update_from_tensor_around(original: Callable, manager: Any, recv_req:
 
 
 def target_update_from_disk_around(original: Callable, manager: Any, recv_req: Any) -> Any:
-    """AROUND SchedulerWeightUpdaterManager.update_weights_from_disk: with an EAGLE-1/2 draft, the
+    """AROUND SchedulerWeightUpdaterManager.update_weights_from_disk: with an EAGLE draft, the
     target's checkpoint is loaded into the target only (the draft keeps its weights and path)."""
     eagle, _ = find_eagle_draft(manager.draft_worker)
     if eagle is None:

@@ -120,7 +120,7 @@ async def get_draft_weights_by_name(obj: Annotated[DraftWeightsByNameReqInput, B
     """POST /get_draft_weights_by_name {"name": ..., "truncate_size": ...}."""
     parameter = await _tokenizer_manager().get_weights_by_name(obj)
     if parameter is None:
-        return _reply(False, f"no draft weight named {obj.name!r} (or this server has no EAGLE-1/2 draft)")
+        return _reply(False, f"no draft weight named {obj.name!r} (or this server has no EAGLE draft)")
     return JSONResponse(parameter, status_code=200)
 
 

@@ -19,6 +19,10 @@ Folder format (``--speculative-algorithm EAGLE --speculative-draft-model-path DI
 prefixed ``model.``, in ``*.safetensors`` or ``pytorch_model.bin``). Names that sglang
 ignores or overwrites (``embed_tokens``, ``lm_head``, ``input_layernorm``, rotary buffers)
 are skipped; a missing trainable weight is an error, where sglang would keep its random value.
+
+EAGLE3 folders (``eagle3.py``) go through the same three entry points: :func:`load_drafter`
+returns an ``Eagle3Drafter`` for one, :func:`save_drafter` writes one, :func:`sglang_weights`
+gives its live-update names.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from sglang_rl.drafter.config import DrafterConfig, dtype_from_name
-from sglang_rl.drafter.model import EagleDrafter
+from sglang_rl.drafter.model import DraftModel, EagleDrafter
 from sglang_rl.drafter.target_weights import load_target_head
 
 __all__ = [
@@ -111,11 +115,14 @@ def init_drafter(
     return model.to(dtype)
 
 
-def sglang_weights(model: EagleDrafter, dtype: torch.dtype | None = None) -> list[tuple[str, torch.Tensor]]:
+def sglang_weights(model: DraftModel, dtype: torch.dtype | None = None) -> list[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` pairs in the names sglang's EAGLE draft ``load_weights`` accepts.
 
     Detached, contiguous CPU copies, cast to ``dtype`` when given. These names are the
     checkpoint names; the draft model adds ``model.`` and fuses q/k/v and gate/up itself.
+    For an :class:`~sglang_rl.drafter.eagle3_model.Eagle3Drafter` they are ``fc.weight``,
+    ``layers.0.*``, ``norm.weight`` and ``lm_head.weight`` (``LlamaForCausalLMEagle3``'s names;
+    ``d2t`` / ``t2d`` never change in training and are not sent).
     """
     out = []
     for name, tensor in model.state_dict().items():
@@ -126,13 +133,18 @@ def sglang_weights(model: EagleDrafter, dtype: torch.dtype | None = None) -> lis
     return out
 
 
-def save_drafter(model: EagleDrafter, out_dir: str | Path, dtype: str | torch.dtype | None = None) -> Path:
+def save_drafter(model: DraftModel, out_dir: str | Path, dtype: str | torch.dtype | None = None) -> Path:
     """Write ``config.json`` and ``model.safetensors`` to ``out_dir``; returns the folder.
 
     ``dtype`` (default: the config's dtype, initially the target's) is the dtype of the saved
     weights and of ``config.json``'s ``dtype``. Each file is written to a temporary name and
-    renamed, so a reader never sees a half-written file.
+    renamed, so a reader never sees a half-written file. An EAGLE3 drafter is written as an
+    EAGLE3 folder (:func:`~sglang_rl.drafter.eagle3_model.save_eagle3_drafter`).
     """
+    if model.config.is_eagle3:
+        from sglang_rl.drafter.eagle3_model import save_eagle3_drafter
+
+        return save_eagle3_drafter(model, out_dir, dtype)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     clashes = [name for name in _CONFLICTING_FILES if (out / name).exists()]
@@ -188,13 +200,18 @@ def load_drafter(
     draft_dir: str | Path,
     target_dir: str | Path,
     dtype: torch.dtype = torch.float32,
-) -> EagleDrafter:
+) -> DraftModel:
     """Load a drafter folder (ours or a published EAGLE-1/2 one) for the target ``target_dir``.
 
     The weights are cast to ``dtype`` (the parameter and compute dtype). The config keeps the
-    folder's ``dtype`` for the next :func:`save_drafter`.
+    folder's ``dtype`` for the next :func:`save_drafter`. An EAGLE3 folder
+    (``LlamaForCausalLMEagle3``) gives an :class:`~sglang_rl.drafter.eagle3_model.Eagle3Drafter`.
     """
     config = DrafterConfig.from_dir(draft_dir)
+    if config.is_eagle3:
+        from sglang_rl.drafter.eagle3_model import load_eagle3_drafter
+
+        return load_eagle3_drafter(draft_dir, target_dir, dtype)
     model = EagleDrafter(config, load_target_head(target_dir, dtype=dtype)).to(dtype)
     weights = read_draft_weights(draft_dir)
     expected = model.state_dict()

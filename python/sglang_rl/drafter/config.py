@@ -14,6 +14,9 @@ drafter's ``config.json`` in the form sglang 0.5.17 loads with
   delete the same parameter twice and fail;
 * every other field (rope, vocab, sizes, ``max_position_embeddings``) is the target's, so the
   draft's context length and rotary tables match the target's.
+
+An EAGLE3 drafter folder's config (``LlamaForCausalLMEagle3``, written by ``eagle3.py``) parses
+as a Llama one; :attr:`DrafterConfig.is_eagle3` tells it apart.
 """
 
 from __future__ import annotations
@@ -29,12 +32,14 @@ import torch
 __all__ = [
     "DRAFT_ARCHITECTURES",
     "DTYPE_NAMES",
+    "EAGLE3_ARCHITECTURE",
     "DrafterConfig",
     "DrafterConfigError",
     "dtype_from_name",
     "dtype_name",
 ]
 
+EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 # target family -> the sglang draft class that mirrors it
 DRAFT_ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLMEagle",
@@ -45,6 +50,8 @@ _TARGET_ARCHITECTURES: dict[str, str] = {
     "Qwen2ForCausalLM": "qwen2",
     "LlamaForCausalLMEagle": "llama",
     "Qwen2ForCausalLMEagle": "qwen2",
+    # an EAGLE3 draft is a Llama layer whatever the target (its sizes are read the same way)
+    EAGLE3_ARCHITECTURE: "llama",
 }
 _SUPPORTED_ROPE = ("default", "linear", "llama3")
 
@@ -81,8 +88,6 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def _family(raw: Mapping[str, Any]) -> str:
     archs = raw.get("architectures") or []
-    if "LlamaForCausalLMEagle3" in archs:
-        raise DrafterConfigError("this is an EAGLE3 drafter (LlamaForCausalLMEagle3): only EAGLE-1/2 drafters are trained")
     for arch in archs:
         if arch in _TARGET_ARCHITECTURES:
             return _TARGET_ARCHITECTURES[arch]
@@ -141,9 +146,14 @@ class DrafterConfig:
     raw: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
 
     @property
+    def is_eagle3(self) -> bool:
+        """True for an EAGLE3 drafter folder's config (``LlamaForCausalLMEagle3``)."""
+        return EAGLE3_ARCHITECTURE in (self.raw.get("architectures") or [])
+
+    @property
     def draft_architecture(self) -> str:
         """The sglang class name written to ``architectures``."""
-        return DRAFT_ARCHITECTURES[self.family]
+        return EAGLE3_ARCHITECTURE if self.is_eagle3 else DRAFT_ARCHITECTURES[self.family]
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> "DrafterConfig":

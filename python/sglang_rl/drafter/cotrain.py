@@ -155,8 +155,13 @@ class CotrainLoop:
 
     def set_target_head(self, embed: torch.Tensor, head: Optional[torch.Tensor] = None) -> None:
         """Follow the target's embedding and LM head after an RL step changed them (``head`` None:
-        tied to the embedding). Rows past the vocabulary (sglang pads its embedding) are cut."""
+        tied to the embedding). Rows past the vocabulary (sglang pads its embedding) are cut.
+        An EAGLE3 drafter takes only the embedding: its LM head is its own, and trained."""
         model = self.trainer.model
+        if model.config.is_eagle3:
+            model.set_target_embed(embed)
+            self.head_updates += 1
+            return
         vocab = model.embed_tokens.shape[0]
         model.embed_tokens.copy_(embed[:vocab].to(model.embed_tokens))
         if model.lm_head is not None:

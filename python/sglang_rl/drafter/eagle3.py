@@ -31,7 +31,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from sglang_rl.drafter.checkpoint import INIT_SCHEMES, WEIGHTS_FILE, DrafterCheckpointError
-from sglang_rl.drafter.config import DrafterConfig, dtype_from_name
+from sglang_rl.drafter.config import EAGLE3_ARCHITECTURE, DrafterConfig, dtype_from_name
 from sglang_rl.drafter.target_weights import _read, _tensor_files, load_target_head
 
 __all__ = [
@@ -45,7 +45,6 @@ __all__ = [
     "save_eagle3",
 ]
 
-EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 _NORMS = ("input_layernorm", "hidden_norm", "post_attention_layernorm")
 
 

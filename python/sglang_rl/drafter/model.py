@@ -18,6 +18,10 @@ on o; the MLP is ``down(silu(gate(y)) * up(y))`` without biases in both.
 Parameter names are sglang's checkpoint names (``fc.weight``, ``layers.0.self_attn.q_proj.weight``,
 ...), so ``state_dict()`` is the checkpoint. The target's embedding and LM head are frozen,
 non-persistent buffers (never saved, never optimised).
+
+:class:`DraftModel` is what this drafter shares with the EAGLE3 one (``eagle3_model.py``): packed
+inputs, rotary tables, and a draft step split into ``first_feature`` / ``layer_input`` / the
+layer's attention and ``finish``, so that ``unroll.py`` unrolls both kinds the same way.
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ from torch import nn
 from sglang_rl.drafter.config import DrafterConfig, DrafterConfigError
 from sglang_rl.drafter.target_weights import TargetHead
 
-__all__ = ["EagleDrafter", "RMSNorm", "apply_rotary", "rotary_inv_freq", "segment_bounds"]
+__all__ = ["DraftDecoderLayer", "DraftModel", "EagleDrafter", "RMSNorm", "apply_rotary", "rotary_inv_freq",
+           "segment_bounds"]
 
 
 class RMSNorm(nn.Module):
@@ -89,14 +94,16 @@ def segment_bounds(cu_seqlens: torch.Tensor | None, total: int) -> list[tuple[in
 class DraftAttention(nn.Module):
     """Causal GQA self-attention with rotary positions; packed sequences never see each other."""
 
-    def __init__(self, config: DrafterConfig) -> None:
+    def __init__(self, config: DrafterConfig, in_features: int | None = None) -> None:
+        """``in_features``: width of the q/k/v input (default ``hidden_size``; EAGLE3: ``2H``)."""
         super().__init__()
         h, d = config.hidden_size, config.head_dim
+        w = h if in_features is None else in_features
         self.n_heads, self.n_kv, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
         self.rotary_dim = config.rotary_dim
-        self.q_proj = nn.Linear(h, self.n_heads * d, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(h, self.n_kv * d, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(h, self.n_kv * d, bias=config.qkv_bias)
+        self.q_proj = nn.Linear(w, self.n_heads * d, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(w, self.n_kv * d, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(w, self.n_kv * d, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * d, h, bias=config.o_bias)
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -143,9 +150,9 @@ class DraftMLP(nn.Module):
 class DraftDecoderLayer(nn.Module):
     """A Llama/Qwen2 decoder layer without ``input_layernorm`` (EAGLE's layer 0)."""
 
-    def __init__(self, config: DrafterConfig) -> None:
+    def __init__(self, config: DrafterConfig, in_features: int | None = None) -> None:
         super().__init__()
-        self.self_attn = DraftAttention(config)
+        self.self_attn = DraftAttention(config, in_features)
         self.mlp = DraftMLP(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -163,31 +170,17 @@ class DraftDecoderLayer(nn.Module):
         return self.mlp(self.post_attention_layernorm(total, x.dtype)) + residual
 
 
-class EagleDrafter(nn.Module):
-    """EAGLE-1/2 drafter: ``(token_{t+1}, h_t) -> predicted h_{t+1}`` over packed sequences."""
 
-    def __init__(self, config: DrafterConfig, head: TargetHead) -> None:
-        super().__init__()
-        if config.raw.get("rope_is_neox_style", True) is False:
-            raise DrafterConfigError("only neox-style rope is supported")
-        v, h = config.vocab_size, config.hidden_size
-        if tuple(head.embed.shape) != (v, h) or tuple(head.lm_head.shape) != (v, h):
-            raise DrafterConfigError(
-                f"target embed {tuple(head.embed.shape)} / lm_head {tuple(head.lm_head.shape)} "
-                f"do not match vocab {v} x hidden {h}"
-            )
-        self.config = config
-        self.fc = nn.Linear(2 * h, h, bias=True)
-        self.layers = nn.ModuleList([DraftDecoderLayer(config)])
-        self.register_buffer("embed_tokens", head.embed.detach(), persistent=False)
-        self.register_buffer("lm_head", None if head.tied else head.lm_head.detach(), persistent=False)
-        # a plain attribute, not a buffer: ``.to(bfloat16)`` must not round the frequencies
-        self._inv_freq = rotary_inv_freq(config)
+class DraftModel(nn.Module):
+    """What the EAGLE-1/2 and EAGLE3 drafters share: packed inputs, rotary tables and one draft
+    step ``layer_input -> attention -> finish`` (``unroll.py`` drives the same three pieces).
 
-    @property
-    def head_weight(self) -> torch.Tensor:
-        """The frozen LM head ``[V, H]`` (the embedding when the target ties them)."""
-        return self.embed_tokens if self.lm_head is None else self.lm_head
+    A subclass sets ``config``, ``fc``, ``layers`` (one layer), ``embed_tokens``, ``_inv_freq``
+    and ``feature_width`` (width of a target row it reads), and defines :meth:`first_feature`
+    and :meth:`layer_input`."""
+
+    config: DrafterConfig
+    feature_width: int
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -203,6 +196,24 @@ class EagleDrafter(nn.Module):
         freqs = pos[:, None] * self._inv_freq.to(pos.device)[None, :]
         return freqs.cos(), freqs.sin()
 
+    def first_feature(self, rows: torch.Tensor) -> torch.Tensor:
+        """The step-1 feature ``[N, H]`` of target rows ``[N, feature_width]`` (compute dtype)."""
+        raise NotImplementedError
+
+    def layer_input(self, embeds: torch.Tensor, feature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(attention input, residual)`` of a step fed token embeddings and a feature ``[N, H]``."""
+        raise NotImplementedError
+
+    def step(self, ids: torch.Tensor, feature: torch.Tensor, positions: torch.Tensor,
+             bounds: list[tuple[int, int]]) -> torch.Tensor:
+        """One draft step ``[N, H]`` from tokens ``[N]`` and features ``[N, H]`` (teacher-forced
+        attention within each of ``bounds``); a chained draft step feeds the previous output."""
+        embeds = F.embedding(ids, self.embed_tokens).to(self.compute_dtype)
+        cos, sin = self.rotary(positions)
+        x, residual = self.layer_input(embeds, feature.to(self.compute_dtype))
+        layer = self.layers[0]
+        return layer.finish(residual, layer.self_attn(x, cos, sin, bounds))
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -210,34 +221,67 @@ class EagleDrafter(nn.Module):
         position_ids: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Predicted next rows ``[N, H]``.
+        """Draft step 1 ``[N, H]`` (EAGLE-1/2: the predicted next rows).
 
-        ``input_ids [N]`` (or ``[1, N]``), ``hidden_states [N, H]`` (or ``[1, N, H]``) are
-        packed sequences separated by ``cu_seqlens [S + 1]``; ``position_ids`` default to
+        ``input_ids [N]`` (or ``[1, N]``), ``hidden_states [N, feature_width]`` (or ``[1, N, .]``)
+        are packed sequences separated by ``cu_seqlens [S + 1]``; ``position_ids`` default to
         ``0..len-1`` within each sequence.
         """
         ids = input_ids.reshape(-1)
         rows = hidden_states.reshape(-1, hidden_states.shape[-1])
         n = ids.shape[0]
-        if rows.shape != (n, self.config.hidden_size):
-            raise ValueError(f"hidden_states {tuple(rows.shape)} do not match {n} ids x {self.config.hidden_size}")
+        if rows.shape != (n, self.feature_width):
+            raise ValueError(f"hidden_states {tuple(rows.shape)} do not match {n} ids x {self.feature_width}")
         bounds = segment_bounds(cu_seqlens, n)
         if position_ids is None:
             position_ids = torch.cat([torch.arange(b - a) for a, b in bounds]) if bounds else ids.new_zeros(0)
         pos = position_ids.reshape(-1)
         if pos.shape[0] != n:
             raise ValueError(f"position_ids has {pos.shape[0]} entries for {n} ids")
-        dtype = self.compute_dtype
-        embeds = F.embedding(ids, self.embed_tokens).to(dtype)
-        x = self.fc(torch.cat((embeds, rows.to(dtype)), dim=-1))
-        cos, sin = self.rotary(pos)
-        for layer in self.layers:
-            x = layer(x, cos, sin, bounds)
-        return x
+        return self.step(ids, self.first_feature(rows.to(self.compute_dtype)), pos, bounds)
 
     def forward_batch(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """:meth:`forward` on a dict from ``build_eagle_batch``."""
         return self(batch["input_ids"], batch["hidden_states"], batch.get("position_ids"), batch.get("cu_seqlens"))
+
+
+class EagleDrafter(DraftModel):
+    """EAGLE-1/2 drafter: ``(token_{t+1}, h_t) -> predicted h_{t+1}`` over packed sequences."""
+
+    def __init__(self, config: DrafterConfig, head: TargetHead) -> None:
+        super().__init__()
+        if config.is_eagle3:
+            raise DrafterConfigError("this is an EAGLE3 drafter config: use Eagle3Drafter (eagle3_model.py)")
+        if config.raw.get("rope_is_neox_style", True) is False:
+            raise DrafterConfigError("only neox-style rope is supported")
+        v, h = config.vocab_size, config.hidden_size
+        if tuple(head.embed.shape) != (v, h) or tuple(head.lm_head.shape) != (v, h):
+            raise DrafterConfigError(
+                f"target embed {tuple(head.embed.shape)} / lm_head {tuple(head.lm_head.shape)} "
+                f"do not match vocab {v} x hidden {h}"
+            )
+        self.config = config
+        self.feature_width = h
+        self.fc = nn.Linear(2 * h, h, bias=True)
+        self.layers = nn.ModuleList([DraftDecoderLayer(config)])
+        self.register_buffer("embed_tokens", head.embed.detach(), persistent=False)
+        self.register_buffer("lm_head", None if head.tied else head.lm_head.detach(), persistent=False)
+        # a plain attribute, not a buffer: ``.to(bfloat16)`` must not round the frequencies
+        self._inv_freq = rotary_inv_freq(config)
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """The frozen LM head ``[V, H]`` (the embedding when the target ties them)."""
+        return self.embed_tokens if self.lm_head is None else self.lm_head
+
+    def first_feature(self, rows: torch.Tensor) -> torch.Tensor:
+        """The target row itself: EAGLE-1/2 feeds ``h_t`` (step 1) or its own prediction."""
+        return rows
+
+    def layer_input(self, embeds: torch.Tensor, feature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x = fc(cat(embed, feature))`` is both the attention input and the residual."""
+        x = self.fc(torch.cat((embeds, feature), dim=-1))
+        return x, x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden @ lm_head.T`` in the head's dtype."""

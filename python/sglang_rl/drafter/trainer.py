@@ -10,6 +10,12 @@ The per-step metric ``top1_agreement`` is the fraction of loss-masked pairs wher
 step's forward pass, before the update, so it describes the weights the step started from.
 This is a teacher-forced proxy for the first draft token's acceptance under greedy
 verification.
+
+An :class:`~sglang_rl.drafter.eagle3_model.Eagle3Drafter` trains through the same API: the
+trainer picks its objective from the model (``objectives.py``). For EAGLE3 the loss is the
+cross-entropy against the next sampled token (``prob_loss``; ``value_loss`` is 0.0), the
+``loss`` options of EAGLE-1/2 do not apply, and ``top1_agreement`` is the fraction of weighted
+pairs whose draft argmax (as a target id) is that token.
 """
 
 from __future__ import annotations
@@ -24,8 +30,9 @@ import torch
 
 from sglang_rl.drafter.checkpoint import save_drafter, sglang_weights
 from sglang_rl.drafter.data import batches_from_samples
-from sglang_rl.drafter.loss import EagleLossConfig, SoftTargets, eagle_loss, soft_targets
-from sglang_rl.drafter.model import EagleDrafter
+from sglang_rl.drafter.loss import EagleLossConfig, SoftTargets
+from sglang_rl.drafter.model import DraftModel
+from sglang_rl.drafter.objectives import objective_for
 from sglang_rl.drafter.sample import AlignedSample
 from sglang_rl.drafter.unroll import unroll_valid, unrolled_predictions
 from sglang_rl.drafter.window import DEFAULT_WINDOW
@@ -36,7 +43,10 @@ __all__ = ["DrafterTrainer", "PreparedBatch"]
 @dataclass(frozen=True)
 class PreparedBatch:
     """A ``build_eagle_batch`` dict on the model's device and dtype, flattened to ``[N]`` /
-    ``[N, H]``, with the target side of the loss (:class:`SoftTargets`) computed once."""
+    ``[N, H]``, with the target side of the loss (:class:`SoftTargets`) computed once.
+
+    ``target`` and ``loss_mask`` are the objective's (``objectives.py``): EAGLE-1/2 the next
+    rows and the batch's mask; EAGLE3 the draft-id labels and weights that drop unlabelled pairs."""
 
     input_ids: torch.Tensor
     hidden_states: torch.Tensor
@@ -65,11 +75,11 @@ def _subset(soft: SoftTargets, rows: torch.Tensor) -> SoftTargets:
 
 
 class DrafterTrainer:
-    """Holds an :class:`EagleDrafter` and its optimizer; see the module docstring."""
+    """Holds a drafter (EAGLE-1/2 or EAGLE3) and its optimizer; see the module docstring."""
 
     def __init__(
         self,
-        model: EagleDrafter,
+        model: DraftModel,
         lr: float = 3e-5,
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.95),
@@ -102,6 +112,7 @@ class DrafterTrainer:
         self.window = window
         self.grad_clip = grad_clip
         self.full_vocab_metrics = full_vocab_metrics
+        self.objective = objective_for(model, loss, full_vocab_metrics)
         params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
         self.steps_done = 0
@@ -117,14 +128,13 @@ class DrafterTrainer:
         dev, dtype = self.device, self.model.compute_dtype
         ids = batch["input_ids"].reshape(-1).to(dev, torch.long)
         n = ids.shape[0]
-        target = batch["target"].reshape(n, -1).to(dev, dtype)
         mask = batch["loss_mask"].reshape(-1).to(dev, torch.float32)
         cu = batch.get("cu_seqlens")
         cu = torch.tensor([0, n], dtype=torch.int32) if cu is None else cu.to("cpu", torch.int32)
         pos = batch.get("position_ids")
         if pos is None:
             pos = torch.cat([torch.arange(int(b - a)) for a, b in zip(cu[:-1], cu[1:])])
-        keep = torch.nonzero(mask > 0).flatten()
+        target, mask, soft = self.objective.targets(batch, ids, mask, cu)
         return PreparedBatch(
             input_ids=ids,
             hidden_states=batch["hidden_states"].reshape(n, -1).to(dev, dtype),
@@ -132,7 +142,7 @@ class DrafterTrainer:
             loss_mask=mask,
             position_ids=pos.reshape(-1).to(dev, torch.long),
             cu_seqlens=cu,
-            soft=soft_targets(target[keep], self.model.head_weight, self.loss_config),
+            soft=soft,
         )
 
     def as_batches(self, data: Any) -> list[PreparedBatch]:
@@ -156,14 +166,8 @@ class DrafterTrainer:
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def _step_loss(self, pred: torch.Tensor, batch: PreparedBatch, mask: torch.Tensor, soft: SoftTargets):
-        out = eagle_loss(pred, batch.target, mask, self.model.head_weight, self.loss_config, soft)
-        pred_top1 = out.pred_top1
-        if pred_top1 is None and out.num_tokens > 0 and (self.full_vocab_metrics or self.loss_config.prob_weight == 0):
-            with torch.no_grad():
-                keep = torch.nonzero(mask > 0).flatten()
-                pred_top1 = self.model.logits(pred.detach()[keep]).argmax(dim=-1)
-        agreement = float((pred_top1 == soft.top1).float().mean()) if pred_top1 is not None else float("nan")
-        return out, agreement
+        """(loss output, top1_agreement) of one step's output under the pair weights ``mask``."""
+        return self.objective.step_loss(pred, batch, mask, soft)
 
     def _forward_loss(self, batch: PreparedBatch):
         """(loss output, step-1 agreement, agreement per unrolled step)."""

@@ -20,6 +20,12 @@ chain whose committed prefix ends at ``m = t - j + 2``:
 The fed rows are not detached: the loss of step ``j`` is then exactly the loss of what
 serving computes at chain step ``j``, so step ``j - 1`` also learns to emit rows that are good
 inputs, not only rows close to ``h``.
+
+The same unroll serves both drafter kinds through :class:`DraftModel`'s pieces: the step-1
+feature (EAGLE-1/2: the row ``h_t``; EAGLE3: ``fc(aux_t)``), the feature fed to step ``j``
+(the previous step's output ``g``, shifted one position later; first positions keep step 1's
+feature) and the layer input built from it. EAGLE3's target at position ``t`` is the token
+``x_{t+2}`` at every step (``eagle3_loss.py``).
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from sglang_rl.drafter.model import EagleDrafter, segment_bounds
+from sglang_rl.drafter.model import DraftModel, segment_bounds
 
 __all__ = ["chain_attention_mask", "unroll_valid", "unrolled_predictions"]
 
@@ -60,23 +66,25 @@ def _shift_rows(pred: torch.Tensor, rows: torch.Tensor, bounds: list[tuple[int, 
 
 
 def unrolled_predictions(
-    model: EagleDrafter,
+    model: DraftModel,
     input_ids: torch.Tensor,
     hidden_states: torch.Tensor,
     position_ids: torch.Tensor,
     cu_seqlens: torch.Tensor,
     steps: int,
 ) -> list[torch.Tensor]:
-    """Predicted rows ``[N, H]`` of steps ``1..steps``; step 1 is ``model(...)`` itself."""
+    """Outputs ``[N, H]`` of steps ``1..steps``; step 1 is ``model(...)`` itself.
+
+    EAGLE-1/2 outputs are predicted rows, EAGLE3 ones the pre-norm ``g`` its logits read."""
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     if len(model.layers) != 1:
-        raise ValueError("unrolled training supports the one-layer EAGLE-1/2 drafter")
+        raise ValueError("unrolled training supports one-layer drafters")
     ids = input_ids.reshape(-1)
     n = ids.shape[0]
     bounds = segment_bounds(cu_seqlens, n)
     dtype = model.compute_dtype
-    rows = hidden_states.reshape(n, -1).to(dtype)
+    first = model.first_feature(hidden_states.reshape(n, -1).to(dtype))
     embeds = F.embedding(ids, model.embed_tokens).to(dtype)
     cos, sin = model.rotary(position_ids.reshape(-1))
     layer = model.layers[0]
@@ -85,8 +93,8 @@ def unrolled_predictions(
     keys: list[tuple[torch.Tensor, torch.Tensor]] = []
     preds: list[torch.Tensor] = []
     for step in range(steps):
-        feature = rows if step == 0 else _shift_rows(preds[-1], rows, bounds)
-        x = model.fc(torch.cat((embeds, feature.to(dtype)), dim=-1))
+        feature = first if step == 0 else _shift_rows(preds[-1], first, bounds)
+        x, residual = model.layer_input(embeds, feature.to(dtype))
         q, k, v = attn.qkv(x, cos, sin)
         keys.append((k, v))
         parts = []
@@ -101,5 +109,5 @@ def unrolled_predictions(
             parts.append(F.scaled_dot_product_attention(
                 q[None, :, a:b], kk[None], vv[None], attn_mask=mask, enable_gqa=gqa)[0])
         heads = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-        preds.append(layer.finish(x, attn.out(heads)))
+        preds.append(layer.finish(residual, attn.out(heads)))
     return preds
