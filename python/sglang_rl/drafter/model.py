@@ -170,7 +170,6 @@ class DraftDecoderLayer(nn.Module):
         return self.mlp(self.post_attention_layernorm(total, x.dtype)) + residual
 
 
-
 class DraftModel(nn.Module):
     """What the EAGLE-1/2 and EAGLE3 drafters share: packed inputs, rotary tables and one draft
     step ``layer_input -> attention -> finish`` (``unroll.py`` drives the same three pieces).
