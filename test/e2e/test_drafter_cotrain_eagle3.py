@@ -51,6 +51,18 @@ def chat(url: str, messages: list[dict]) -> dict:
     return resp.json()
 
 
+def stream(url: str, messages: list[dict]) -> str:
+    """A streamed greedy chat's text, the chunks joined."""
+    body = {"model": "default", "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
+    text = []
+    with requests.post(url + "/v1/chat/completions", json=body, stream=True, timeout=900) as resp:
+        assert resp.status_code == 200, resp.text[:1000]
+        for line in resp.iter_lines():
+            if line.startswith(b"data: ") and line != b"data: [DONE]":
+                text.extend(c["delta"].get("content") or "" for c in json.loads(line[6:])["choices"])
+    return "".join(text)
+
+
 def post(url: str, path: str, body: dict) -> dict:
     resp = requests.post(url + path, json=body, timeout=600)
     assert resp.status_code == 200, (path, resp.status_code, resp.text[:1000])
@@ -81,12 +93,16 @@ def test_rounds_train_the_eagle3_draft_and_outputs_stay_the_plain_servers(
     for name in WATCHED:  # every part is trained, the draft's own head too
         assert not torch.equal(draft_rows(url, name), before[name]), name
 
-    # greedy outputs under the trained draft are the plain server's
+    # greedy outputs under the trained draft are the plain server's, streamed and with n > 1 too
     held = prompts[1200:1204]
     cotrained = _batch(url, held)
-    plain = _batch(plain_server.url, held)
-    for got, want in zip(cotrained, plain):
-        assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
+    plain = [r["choices"][0]["message"]["content"] for r in _batch(plain_server.url, held)]
+    assert [r["choices"][0]["message"]["content"] for r in cotrained] == plain
+    assert stream(url, held[0]) == plain[0]
+    two = requests.post(url + "/v1/chat/completions", json={"model": "default", "messages": held[1], "n": 2,
+                                                            "max_tokens": MAX_TOKENS, "temperature": 0}, timeout=900)
+    assert two.status_code == 200, two.text[:1000]
+    assert [c["message"]["content"] for c in two.json()["choices"]] == [plain[1]] * 2
 
 
 def test_a_target_update_leaves_the_trained_draft_alone(cotrain_eagle3_server: Server, model_path: str) -> None:
