@@ -67,3 +67,32 @@ def test_training_in_gaps_needs_the_servers_own_trainer(tmp_path, other: dict) -
     assert config.train_in_gaps is True and config.gap_max_wait_s == 2.5
     with pytest.raises(ValueError, match="--drafter-cotrain-train-in-gaps needs the server's own trainer"):
         RLServerArgs(**common, drafter_cotrain_train_in_gaps=True, **other)
+
+
+@pytest.mark.parametrize("change, reason", [
+    ({}, None),
+    ({"config": {"draft_vocab_size": None}}, "needs a draft with its own LM head"),
+    ({"config": {"tie_word_embeddings": True}}, "needs a draft with its own LM head"),
+    ({"args": {"tp_size": 2}}, "runs with --tp-size 1"),
+])
+def test_eagle3_cotraining_needs_its_own_head_and_one_tp_rank(tmp_path, change: dict, reason) -> None:
+    """An EAGLE3 drafter co-trains when it has a head of its own to train (as `drafter init --arch
+    eagle3` writes one); anything else is refused before the server starts, with the reason."""
+    import json
+
+    from sglang_rl.drafter.cli import main
+    from test_drafter_eagle3 import target as write_target
+
+    target = write_target(tmp_path, tied=False)
+    draft = tmp_path / "eagle3"
+    assert main(["init", "--arch", "eagle3", "--model-path", str(target), "--out", str(draft)]) == 0
+    config = json.loads((draft / "config.json").read_text())
+    config.update(change.get("config", {}))
+    (draft / "config.json").write_text(json.dumps(config))
+    kwargs = dict(model_path=str(target), speculative_algorithm="EAGLE3", drafter_cotrain=True,
+                  speculative_draft_model_path=str(draft), device="cpu", **change.get("args", {}))
+    if reason is None:
+        assert RLServerArgs(**kwargs).drafter_cotrain
+    else:
+        with pytest.raises(ValueError, match=reason):
+            RLServerArgs(**kwargs)
