@@ -64,14 +64,13 @@ def served_tensors(eagle: Any) -> dict[str, torch.Tensor]:
 def eagle3_layout(eagle: Any, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """An EAGLE3 draft's tensors as its folder holds them: the layer under SpecForge's name
     (``midlayer.``) and the draft vocabulary mapping the server reads at start (``d2t``, ``t2d``)."""
-    out = {name.replace("layers.0.", "midlayer.", 1): t for name, t in tensors.items()}
+    from sglang_rl.drafter.eagle3 import specforge_name, vocab_map
+
+    out = {specforge_name(name): t for name, t in tensors.items()}
     hot = getattr(eagle, "hot_token_id", None)
     vocab = int(eagle.target_worker.model_runner.model_config.vocab_size)
-    rows = out["lm_head.weight"].shape[0]
-    ids = torch.arange(rows) if hot is None else hot.detach().to("cpu", torch.int64)
-    out["d2t"] = ids - torch.arange(rows)
-    out["t2d"] = torch.zeros(vocab, dtype=torch.bool)
-    out["t2d"][ids] = True
+    ids = torch.arange(out["lm_head.weight"].shape[0]) if hot is None else hot.detach().to("cpu")
+    out["d2t"], out["t2d"] = vocab_map(ids, vocab)
     return out
 
 

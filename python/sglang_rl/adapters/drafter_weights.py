@@ -55,6 +55,7 @@ from sglang_rl.draft_weight_check import (
     checkpoint_entries,
     plan_checkpoint_load,
 )
+from sglang_rl.drafter.eagle3 import sglang_name
 
 logger = logging.getLogger(__name__)
 
@@ -230,7 +231,7 @@ def update_from_disk(scheduler: Any, req: DraftWeightsFromDiskReqInput) -> Updat
         eagle = _eagle_or_refuse(scheduler)
         spec, _ = draft_spec(eagle)
         # an EAGLE3 folder names its layer as SpecForge does (midlayer.*); sglang's draft, layers.0.*
-        rename = (lambda n: n.replace("midlayer.", "layers.0.", 1)) if is_eagle3(eagle) else (lambda n: n)
+        rename = sglang_name if is_eagle3(eagle) else (lambda n: n)
         entries = [e._replace(name=rename(e.name)) for e in checkpoint_entries(req.model_path)]
         load, skipped = plan_checkpoint_load(spec, entries)
         named = []

@@ -43,9 +43,34 @@ __all__ = [
     "init_eagle3",
     "read_eagle3",
     "save_eagle3",
+    "sglang_name",
+    "specforge_name",
+    "vocab_map",
 ]
 
 _NORMS = ("input_layernorm", "hidden_norm", "post_attention_layernorm")
+SPECFORGE_LAYER, SGLANG_LAYER = "midlayer.", "layers.0."
+
+
+def specforge_name(name: str) -> str:
+    """A tensor name as an EAGLE3 folder holds it (SpecForge's ``midlayer.``)."""
+    return name.replace(SGLANG_LAYER, SPECFORGE_LAYER, 1)
+
+
+def sglang_name(name: str) -> str:
+    """A tensor name as sglang's EAGLE3 draft model and the trainer name it (``layers.0.``)."""
+    return name.replace(SPECFORGE_LAYER, SGLANG_LAYER, 1)
+
+
+def vocab_map(hot: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(d2t [N] int64, t2d [V] bool)`` of the draft vocabulary whose draft id ``i`` is target id
+    ``hot[i]``. DrafterCheckpointError unless ``hot`` holds distinct ids of the vocabulary."""
+    hot = torch.as_tensor(hot).to(torch.int64).reshape(-1)
+    if (hot < 0).any() or (hot >= vocab_size).any() or hot.unique().shape[0] != hot.shape[0]:
+        raise DrafterCheckpointError("d2t maps draft ids outside the vocabulary or two to one target id")
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[hot] = True
+    return hot - torch.arange(hot.shape[0]), t2d
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
@@ -76,9 +101,7 @@ def draft_vocab(vocab_size: int, size: int | None = None,
             raise DrafterCheckpointError("token counts must be finite and non-negative")
         # stable sort on -count keeps the lower id first among equal counts
         chosen = torch.sort(torch.argsort(-c, stable=True)[:size]).values
-    t2d = torch.zeros(vocab_size, dtype=torch.bool)
-    t2d[chosen] = True
-    return (chosen - torch.arange(size)).to(torch.int64), t2d
+    return vocab_map(chosen, vocab_size)
 
 
 def eagle3_config(target: DrafterConfig, draft_vocab_size: int, aux_layer_ids: Sequence[int] | None = None,
@@ -195,16 +218,14 @@ def read_eagle3(folder: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     for file in sorted(folder.glob("*.safetensors")):
         tensors.update(load_file(str(file)))
     tensors = {n.removeprefix("model."): t for n, t in tensors.items()}
-    tensors = {n.replace("layers.0.", "midlayer."): t for n, t in tensors.items()}
+    tensors = {specforge_name(n): t for n, t in tensors.items()}
     for name, shape in eagle3_shapes(cfg).items():
         if name not in tensors:
             raise DrafterCheckpointError(f"{folder} lacks {name}")
         if tuple(tensors[name].shape) != shape:
             raise DrafterCheckpointError(f"{name}: shape {tuple(tensors[name].shape)} != expected {shape}")
     d2t, t2d = tensors["d2t"], tensors["t2d"].to(torch.bool)
-    hot = torch.arange(d2t.shape[0]) + d2t.to(torch.int64)
-    if (hot < 0).any() or (hot >= t2d.shape[0]).any() or hot.unique().shape[0] != hot.shape[0]:
-        raise DrafterCheckpointError("d2t maps draft ids outside the vocabulary or two to one target id")
-    if not torch.equal(t2d.nonzero().reshape(-1), torch.sort(hot).values):
+    _, mapped = vocab_map(torch.arange(d2t.shape[0]) + d2t.to(torch.int64), t2d.shape[0])
+    if not torch.equal(t2d, mapped):
         raise DrafterCheckpointError("t2d does not mark exactly the target ids of d2t")
     return cfg, tensors

@@ -29,7 +29,7 @@ from torch import nn
 
 from sglang_rl.drafter.checkpoint import DrafterCheckpointError
 from sglang_rl.drafter.config import DrafterConfig, DrafterConfigError
-from sglang_rl.drafter.eagle3 import read_eagle3, save_eagle3
+from sglang_rl.drafter.eagle3 import read_eagle3, save_eagle3, sglang_name, specforge_name, vocab_map
 from sglang_rl.drafter.model import DraftDecoderLayer, DraftModel, RMSNorm, rotary_inv_freq
 from sglang_rl.drafter.target_weights import load_target_head
 
@@ -87,11 +87,10 @@ class Eagle3Drafter(DraftModel):
         if tuple(embed.shape) != (v, h):
             raise DrafterConfigError(f"target embed {tuple(embed.shape)} does not match vocab {v} x hidden {h}")
         d2t = torch.as_tensor(d2t).to(torch.int64).reshape(-1)
-        hot = torch.arange(d2t.shape[0]) + d2t
-        if d2t.shape[0] != n or (hot < 0).any() or (hot >= v).any() or hot.unique().numel() != n:
-            raise DrafterCheckpointError(f"d2t must map {n} draft ids to distinct target ids in [0, {v})")
-        mapped = torch.zeros(v, dtype=torch.bool)
-        mapped[hot] = True
+        if d2t.shape[0] != n:
+            raise DrafterCheckpointError(f"d2t has {d2t.shape[0]} entries for a draft vocabulary of {n}")
+        hot = torch.arange(n) + d2t
+        _, mapped = vocab_map(hot, v)
         if t2d is not None and not torch.equal(torch.as_tensor(t2d).to(torch.bool).reshape(-1), mapped):
             raise DrafterCheckpointError("t2d does not mark exactly the target ids of d2t")
         self.config = config
@@ -146,7 +145,7 @@ def load_eagle3_drafter(folder: str | Path, target_dir: str | Path,
     config = DrafterConfig.from_dict(cfg)
     embed = load_target_head(target_dir, dtype=dtype).embed
     model = Eagle3Drafter(config, embed, tensors["d2t"], tensors["t2d"])
-    state = {n.replace("midlayer.", "layers.0."): t.to(dtype) for n, t in tensors.items() if n not in ("d2t", "t2d")}
+    state = {sglang_name(n): t.to(dtype) for n, t in tensors.items() if n not in ("d2t", "t2d")}
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise DrafterCheckpointError(f"{folder}: missing {sorted(missing)}, unknown {sorted(unexpected)}")
@@ -159,7 +158,7 @@ def eagle3_checkpoint(model: Eagle3Drafter, dtype: str | torch.dtype | None = No
     cfg = dict(model.config.raw)
     if dtype is not None:
         cfg["dtype"] = cfg["torch_dtype"] = model.config.with_dtype(dtype).dtype
-    tensors = {n.replace("layers.0.", "midlayer."): t.detach().to("cpu").clone()
+    tensors = {specforge_name(n): t.detach().to("cpu").clone()
                for n, t in model.state_dict().items()}
     tensors.update(d2t=model.d2t.detach().to("cpu").clone(), t2d=model.t2d.detach().to("cpu").clone())
     return cfg, tensors
