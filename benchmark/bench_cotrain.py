@@ -44,17 +44,15 @@ from pathlib import Path
 from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import engine_kwargs, print_table  # noqa: E402
+from common import EAGLE, engine_kwargs, print_table  # noqa: E402
 from sglang_rl.drafter.acceptance import merge_histograms, position_accept_rates  # noqa: E402
 
-SPEC = dict(speculative_algorithm="EAGLE", speculative_num_steps=3, speculative_eagle_topk=1,
-            speculative_num_draft_tokens=4)
+SPEED_CONFIGS = ("plain", "spec", "cotrain-same", "cotrain-gaps", "cotrain-optout", "cotrain-cuda1", "cotrain-cpu")
 
 
 def spec_for(args: argparse.Namespace) -> dict:
     """sglang's speculative settings of the chosen drafter kind (--arch)."""
-    return {**SPEC, "speculative_algorithm": args.arch.upper()}
-SPEED_CONFIGS = ("plain", "spec", "cotrain-same", "cotrain-gaps", "cotrain-optout", "cotrain-cuda1", "cotrain-cpu")
+    return {**EAGLE, "speculative_algorithm": args.arch.upper()}
 
 
 # --- data ----------------------------------------------------------------------------------------
@@ -157,7 +155,7 @@ class CotrainRun:
         steps = after["held_out_verify_steps"][-1] - before["held_out_verify_steps"][-1]
         meta_tokens, meta_steps = spec_counts(outs)
         hist = merge_histograms(o["meta_info"].get("spec_correct_drafts_histogram") for o in outs)
-        rates = position_accept_rates(hist, SPEC["speculative_num_steps"])
+        rates = position_accept_rates(hist, EAGLE["speculative_num_steps"])
         return {"held_out_acceptance": ratio(tokens, steps), "held_out_tokens": tokens,
                 "held_out_verify_steps": steps, "held_out_meta_acceptance": ratio(meta_tokens, meta_steps),
                 "held_out_accept_histogram": hist,

@@ -32,10 +32,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import engine_kwargs, print_table, random_prompts, run_in_subprocesses  # noqa: E402
+from common import EAGLE, engine_kwargs, print_table, random_prompts, run_in_subprocesses  # noqa: E402
 
-EAGLE = dict(speculative_algorithm="EAGLE", speculative_num_steps=3, speculative_eagle_topk=1,
-             speculative_num_draft_tokens=4)
 CALIBRATION_BATCH = 16
 
 

@@ -47,12 +47,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    engine_kwargs, model_parser, parse_with_model, print_table, random_prompts, run_in_subprocesses,
+    EAGLE, engine_kwargs, model_parser, parse_with_model, print_table, random_prompts, run_in_subprocesses,
 )
-
-EAGLE = dict(speculative_algorithm="EAGLE", speculative_num_steps=3, speculative_eagle_topk=1,
-             speculative_num_draft_tokens=4)
-
 
 def parse_shape(text: str) -> tuple[int, int, int | tuple[int, int]]:
     """'64x128x128' -> (requests, prompt tokens, output tokens); '64x128x64-512' gives the

@@ -8,6 +8,10 @@ import os
 import random
 from pathlib import Path
 
+# the EAGLE chain every benchmark serves: 3 draft steps, top-1, 4 draft tokens per verify step
+EAGLE = dict(speculative_algorithm="EAGLE", speculative_num_steps=3, speculative_eagle_topk=1,
+             speculative_num_draft_tokens=4)
+
 LLAMA_8B_SHAPE = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
