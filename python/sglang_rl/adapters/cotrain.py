@@ -197,8 +197,8 @@ class CotrainRuntime:
             self.head_checksum, self.head_pending = checksum, False
             return
         # an EAGLE3 drafter trains its own head over the draft vocabulary: the embedding is enough
-        own_head = same_tensor(embed, head) or is_eagle3(eagle)
-        message = ("target_head", to_wire(embed), None if own_head else to_wire(head))
+        embed_only = same_tensor(embed, head) or is_eagle3(eagle)
+        message = ("target_head", to_wire(embed), None if embed_only else to_wire(head))
         try:
             self.inbox.put(message, timeout=1.0)
         except queue.Full:
