@@ -111,7 +111,7 @@ def wait_rounds(url: str, rounds: int, timeout: float = 600) -> dict:
         if current["rounds"] >= rounds or current["errors"]:
             return current
         time.sleep(0.5)
-    raise AssertionError(f"only {stats(url)['rounds']} of {rounds} rounds after {timeout}s")
+    raise AssertionError(f"only {current['rounds']} of {rounds} rounds after {timeout}s: {current}")
 
 
 def test_cotraining_raises_held_out_acceptance(cotrain_server: Server, toploc_server: Server) -> None:
