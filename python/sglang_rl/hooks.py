@@ -25,7 +25,7 @@ class Hook(NamedTuple):
 
 def hook_table() -> list[Hook]:
     """All hooks of the plugin (imports are local so that importing this module stays cheap)."""
-    from sglang_rl.adapters import api, hidden_states, kcbs, openai, scheduler, speculative
+    from sglang_rl.adapters import api, hidden_states, kcbs, last_layer_rows, openai, scheduler, speculative
     from sglang_rl.adapters import cotrain, cotrain_api, cotrain_parallel, drafter_weights, drafter_weights_api
     from sglang_rl.adapters import drafter_save, drafter_save_api
     from sglang_rl.adapters import seeded_sampling, toploc, toploc_metrics
@@ -127,6 +127,16 @@ def hook_table() -> list[Hook]:
              speculative.prefill_rows_around,
              "an EAGLE prefill's prompt rows (all captured for the draft) are cut to each request's "
              "last row when no request wants more, so sglang copies [requests, H] to the host"),
+        Hook(f"{SRT}.layers.logits_processor.LogitsProcessor._get_hidden_states_to_store", AROUND,
+             last_layer_rows.store_rows_around,
+             "an EAGLE3 target captures auxiliary layers for its draft: also pick the last layer's "
+             "rows, which fingerprints and hidden-state fields are defined on"),
+        Hook(f"{SRT}.layers.logits_processor.LogitsProcessor.forward", AFTER, last_layer_rows.logits_forward_after,
+             "those last-layer rows ride on the step's logits output beside the auxiliary ones"),
+        Hook(f"{SRT}.speculative.eagle_worker_common._finalize_accept_tree_path", AROUND,
+             last_layer_rows.accept_tree_path_around,
+             "a tree step (topk > 1) moves each accepted path to the front of its block: the "
+             "last-layer rows move with the captured ones"),
         Hook(f"{SRT}.speculative.eagle_utils.eagle_sample", AROUND, speculative.ngram_sample_around,
              "an NGRAM verify step's accepted rows move to the front of each request's block, "
              "where EAGLE's worker puts them"),

@@ -62,9 +62,8 @@ class InvalidFingerprintError(RequestOptionError):
 
 
 # Speculative algorithms whose verify-step rows follow the committed tokens (adapters/speculative.py).
-SUPPORTED = ("EAGLE", "NEXTN", "NGRAM")
+SUPPORTED = ("EAGLE", "EAGLE3", "NEXTN", "NGRAM")
 _REFUSALS = {
-    "EAGLE3": "an EAGLE3 target captures auxiliary layers for its draft, not the last layer",
     "STANDALONE": "a STANDALONE target does not capture rows in its prefill",
 }
 

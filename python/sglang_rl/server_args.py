@@ -136,6 +136,28 @@ class RLServerArgs(ServerArgs):
                 # loaded into the draft, which nobody pushes back (sglang issue #31674)
                 self.enable_draft_weights_cpu_backup = True
         super().__post_init__()
+        self._check_last_layer_rows_without_graphs()
+
+    def _check_last_layer_rows_without_graphs(self) -> None:
+        """An EAGLE3 target keeps its last-layer rows beside the auxiliary ones its draft reads
+        (`adapters.last_layer_rows`); a graph replay returns only sglang's own fields."""
+        from sglang.srt.model_executor.cuda_graph_config import Backend
+
+        from sglang_rl.adapters.last_layer_rows import server_needs_them
+
+        if not server_needs_them(self):
+            return
+        if self.device == "cpu":  # sglang's CPU graphs come with torch.compile
+            graphs, off = self.enable_torch_compile, "without --enable-torch-compile"
+        else:
+            config = self.cuda_graph_config
+            graphs = any(getattr(config, phase).backend != Backend.DISABLED for phase in ("decode", "prefill"))
+            off = "with --disable-cuda-graph"
+        if graphs:
+            raise ValueError("--speculative-algorithm EAGLE3 with --toploc-verification or "
+                             f"--enable-return-hidden-states runs {off}: a graph replay returns the "
+                             "auxiliary rows its draft reads, not the last layer's that fingerprints and "
+                             "hidden-state fields are defined on")
 
     def _check_toploc_calibration(self) -> None:
         """Load the calibration file now, so that a missing, malformed or mismatched one stops the

@@ -2,9 +2,10 @@
 
 The draft is `sglang-rl drafter init --arch eagle3` (its own LM head over a 4096-id draft
 vocabulary). The server trains it on its own rollouts' auxiliary-layer rows and hot-swaps every
-round, TOPLOC-free (EAGLE3 targets capture auxiliary layers, not the last one). Checked like a
-user would: the rounds change the served draft (fc, its layer and its own LM head), greedy
-outputs stay the plain server's, a target update reaches the target only and leaves the trained
+round, with TOPLOC on (fingerprints take the last layer's rows, co-training the auxiliary
+layers'). Checked like a user would: the rounds change the served draft (fc, its layer and its
+own LM head), greedy outputs stay the plain server's and their fingerprints verify on a server
+without speculative decoding, a target update reaches the target only and leaves the trained
 draft alone, and the saved drafter is an EAGLE3 folder that loads back.
 """
 
@@ -19,6 +20,7 @@ import torch
 
 from e2e_servers import EAGER, Prepared, Server, Spec, server_fixture
 from test_drafter_cotrain import gsm8k, stats, wait_rounds
+from toploc_helpers import assert_fingerprints_verify
 
 ROUND = 8
 DRAFT_VOCAB = 4096
@@ -39,13 +41,14 @@ COTRAIN_EAGLE3 = Spec("cotrain-eagle3", (
     "--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
     "--speculative-num-draft-tokens", "4", "--drafter-cotrain", "--drafter-cotrain-samples-per-round", str(ROUND),
     "--drafter-cotrain-steps", "10", "--drafter-cotrain-lr", "1e-3", "--drafter-cotrain-unroll-steps", "2",
-    "--drafter-cotrain-threads", "1", "--enable-metrics"), env=EAGER, prepare=_eagle3_drafter)
+    "--drafter-cotrain-threads", "1", "--enable-metrics", "--toploc-verification"), env=EAGER, prepare=_eagle3_drafter)
 cotrain_eagle3_server = server_fixture(COTRAIN_EAGLE3, scope="module",
-                                       doc="EAGLE3 with a random-init drafter, co-training on.")
+                                       doc="EAGLE3 with a random-init drafter, co-training and TOPLOC on.")
 
 
 def chat(url: str, messages: list[dict]) -> dict:
-    body = {"model": "default", "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0}
+    body = {"model": "default", "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "return_input_ids": True, "return_output_ids": True}
     resp = requests.post(url + "/v1/chat/completions", json=body, timeout=900)
     assert resp.status_code == 200, resp.text[:2000]
     return resp.json()
@@ -81,7 +84,7 @@ def _batch(url: str, prompts: list) -> list[dict]:
 
 
 def test_rounds_train_the_eagle3_draft_and_outputs_stay_the_plain_servers(
-        cotrain_eagle3_server: Server, plain_server: Server) -> None:
+        cotrain_eagle3_server: Server, plain_server: Server, toploc_server: Server) -> None:
     url = cotrain_eagle3_server.url
     prompts = gsm8k()
     before = {name: draft_rows(url, name) for name in WATCHED}
@@ -98,6 +101,7 @@ def test_rounds_train_the_eagle3_draft_and_outputs_stay_the_plain_servers(
     cotrained = _batch(url, held)
     plain = [r["choices"][0]["message"]["content"] for r in _batch(plain_server.url, held)]
     assert [r["choices"][0]["message"]["content"] for r in cotrained] == plain
+    assert_fingerprints_verify(toploc_server.url, [r["choices"][0]["message"] for r in cotrained])
     assert stream(url, held[0]) == plain[0]
     two = requests.post(url + "/v1/chat/completions", json={"model": "default", "messages": held[1], "n": 2,
                                                             "max_tokens": MAX_TOKENS, "temperature": 0}, timeout=900)

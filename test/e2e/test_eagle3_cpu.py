@@ -9,6 +9,10 @@ positive: z * silu(z) >= 0), so on a prompt whose continuation repeats "hello" c
 are accepted, and a wrong mapping would propose another token and have every draft rejected.
 
 The target decides every token: greedy output ids with EAGLE3 equal those of the plain server.
+The server also runs --toploc-verification and --enable-return-hidden-states: fingerprints and
+hidden-state rows are the last layer's (the target captures auxiliary layers for its draft), so
+its fingerprints verify on a server without speculative decoding and the other way round, and its
+rows equal a transformers forward.
 """
 
 from __future__ import annotations
@@ -18,8 +22,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from e2e_servers import EAGER, Prepared, Server, Spec, server_fixture
-from hidden_states_fixtures import generate
-from speculative_prompts import MAX_NEW, PROMPTS
+from hidden_states_fixtures import check_response, generate, hs_fields
+from speculative_prompts import MAX_NEW, PROMPTS, REPEATING
+from toploc_helpers import assert_fingerprints_verify
 
 STEPS = 3
 DRAFT_VOCAB = 4096
@@ -67,10 +72,11 @@ def _always_hello(folder: Path, hello: int) -> None:
 
 EAGLE3 = Spec("eagle3", (
     "--speculative-algorithm", "EAGLE3", "--speculative-num-steps", str(STEPS),
-    "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(STEPS + 1)),
+    "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(STEPS + 1),
+    "--toploc-verification", "--enable-return-hidden-states"),
     env=EAGER, prepare=_eagle3_drafter)
 eagle3_server = server_fixture(EAGLE3, scope="module",
-                               doc="EAGLE3 with a `drafter init --arch eagle3` folder that always drafts ' hello'.")
+                               doc="EAGLE3 (TOPLOC, hidden states) with a `drafter init --arch eagle3` folder that always drafts ' hello'.")
 
 
 def _all_at_once(url: str) -> list[dict]:
@@ -95,3 +101,23 @@ def test_greedy_ids_equal_the_plain_server(eagle3_server: Server, plain_server: 
     # that sends the draft id itself accepts 1 of 24 here)
     accepted = repeating["completion_tokens"] - repeating["spec_verify_ct"]
     assert accepted >= repeating["completion_tokens"] // 2, (accepted, repeating)
+
+
+def test_hidden_state_rows_are_the_last_layers(eagle3_server: Server, hf) -> None:
+    """Rows asked for on the EAGLE3 server, of a request whose drafts get accepted, equal a
+    transformers forward of prompt + response: the last layer, not the auxiliary layers."""
+    out = generate(eagle3_server.url, REPEATING, 20, fields=hs_fields(True, "list", "all", None, True))
+    meta = out["meta_info"]
+    assert meta["spec_verify_ct"] < meta["completion_tokens"], meta
+    check_response(hf, meta, mode=True, fmt="list", scope="all", last_n=None, final=True, what="eagle3")
+    assert meta["output_ids"] == generate(eagle3_server.url, REPEATING, 20)["meta_info"]["output_ids"]
+
+
+def test_fingerprints_under_eagle3_verify_without_speculative_decoding(eagle3_server: Server,
+                                                                       toploc_server: Server) -> None:
+    """Batched EAGLE3 generations (draft chains accepted on the repeating prompt) verify on the
+    plain TOPLOC server, and that server's generations verify on the EAGLE3 server."""
+    eagle3 = [out["meta_info"] for out in _all_at_once(eagle3_server.url)]
+    assert eagle3[0]["spec_verify_ct"] * 2 <= eagle3[0]["completion_tokens"], eagle3[0]
+    assert_fingerprints_verify(toploc_server.url, eagle3)
+    assert_fingerprints_verify(eagle3_server.url, [out["meta_info"] for out in _all_at_once(toploc_server.url)])

@@ -7,12 +7,36 @@ import pytest
 from sglang_rl.server_args import RLServerArgs
 
 
-@pytest.mark.parametrize("algorithm", ["EAGLE3", "STANDALONE"])
-def test_toploc_refuses_speculative_algorithms_it_cannot_follow(algorithm: str) -> None:
-    """EAGLE, NEXTN and NGRAM are served (test/e2e/test_toploc_speculative.py); the others are
-    refused before anything starts, with the reason."""
-    with pytest.raises(ValueError, match=f"--speculative-algorithm {algorithm}: .*supported: EAGLE, NEXTN, NGRAM"):
-        RLServerArgs(model_path="unused", toploc_verification=True, speculative_algorithm=algorithm)
+def test_toploc_refuses_speculative_algorithms_it_cannot_follow() -> None:
+    """EAGLE, EAGLE3, NEXTN and NGRAM are served (test/e2e/test_toploc_speculative.py,
+    test_eagle3_cpu.py); the others are refused before anything starts, with the reason."""
+    with pytest.raises(ValueError, match="--speculative-algorithm STANDALONE: .*supported: EAGLE, EAGLE3, NEXTN, NGRAM"):
+        RLServerArgs(model_path="unused", toploc_verification=True, speculative_algorithm="STANDALONE")
+
+
+@pytest.mark.parametrize("flags, refused", [
+    ({"device": "cpu"}, None),
+    ({"device": "cpu", "enable_torch_compile": True}, "without --enable-torch-compile"),
+    ({"device": "cuda"}, "with --disable-cuda-graph"),
+    ({"device": "cuda", "disable_cuda_graph": True}, None),
+    ({"device": "cuda", "enable_return_hidden_states": True, "toploc_verification": False}, "with --disable-cuda-graph"),
+])
+def test_eagle3_rows_need_a_target_without_graphs(tmp_path, flags: dict, refused) -> None:
+    """An EAGLE3 target's last-layer rows ride beside its auxiliary ones on the logits output,
+    which a graph replay rebuilds without them: fingerprints and hidden-state fields on an EAGLE3
+    server are refused with graphs, with the reason."""
+    from sglang_rl.drafter.cli import main
+    from test_drafter_eagle3 import target as write_target
+
+    target = write_target(tmp_path, tied=False)
+    assert main(["init", "--arch", "eagle3", "--model-path", str(target), "--out", str(tmp_path / "eagle3")]) == 0
+    kwargs = dict(model_path=str(target), speculative_algorithm="EAGLE3", speculative_draft_model_path=str(tmp_path / "eagle3"),
+                  **{"toploc_verification": True, **flags})
+    if refused is None:
+        assert RLServerArgs(**kwargs).toploc_verification
+    else:
+        with pytest.raises(ValueError, match=f"EAGLE3 with --toploc-verification or --enable-return-hidden-states runs {refused}"):
+            RLServerArgs(**kwargs)
 
 
 @pytest.mark.parametrize("topk", [0, 4097])

@@ -14,13 +14,13 @@ from sglang_rl.adapters.speculative import accepted_rows_to_front, prefill_rows_
 from sglang_rl.request_options import RequestOptionError, check_rows_supported
 
 
-@pytest.mark.parametrize("algorithm", [None, "", "EAGLE", "NEXTN", "NGRAM", "eagle"])
+@pytest.mark.parametrize("algorithm", [None, "", "EAGLE", "EAGLE3", "NEXTN", "NGRAM", "eagle"])
 def test_algorithms_whose_rows_follow_committed_tokens(algorithm) -> None:
     check_rows_supported(algorithm)
 
 
 @pytest.mark.parametrize("algorithm,reason", [
-    ("EAGLE3", "auxiliary layers"), ("STANDALONE", "prefill"), ("DFLASH", "not known"),
+    ("STANDALONE", "prefill"), ("DFLASH", "not known"),
 ])
 def test_other_algorithms_are_refused_with_the_reason(algorithm, reason) -> None:
     with pytest.raises(RequestOptionError) as err:
@@ -126,3 +126,33 @@ def test_a_result_keeps_its_rows_on_the_stores_device_only_when_fingerprints_alo
     result = toploc.worker_forward_after(_batch_result(host_rows), worker)
     scheduler.copy_to_cpu_around(GenerationBatchResult.copy_to_cpu, result, False, True)
     assert torch.equal(result.logits_output.hidden_states, host_rows)  # a CPU server: sglang's path
+
+
+def test_last_layer_rows_move_with_a_tree_steps_accepted_path(monkeypatch) -> None:
+    """A tree step (topk > 1) moves each request's accepted path to the front of its block
+    (sglang's `_finalize_accept_tree_path`, its KV move stubbed here): an EAGLE3 target's
+    last-layer rows, carried beside the captured ones, land where a plain loop puts them."""
+    from types import SimpleNamespace
+
+    from sglang.srt.speculative import eagle_worker_common as common
+
+    from sglang_rl.adapters.last_layer_rows import ATTR, accept_tree_path_around
+
+    monkeypatch.setattr(common, "move_accept_tokens_to_target_kvcache", lambda *args, **kwargs: None)
+    gen = torch.Generator().manual_seed(0)
+    bs, block, width = 3, 6, 3
+    accept = torch.tensor([[0, 2, 5], [6, 7, -1], [12, 15, 16]], dtype=torch.int32)
+    captured, last = torch.randn(bs * block, 12, generator=gen), torch.randn(bs * block, 4, generator=gen)
+    output = SimpleNamespace(hidden_states=captured.clone(), **{ATTR: last.clone()})
+    predict = torch.arange(bs * block)
+    accept_tree_path_around(common._finalize_accept_tree_path, None, accept, torch.tensor([3, 2, 3]), predict,
+                            output, bs, token_to_kv_pool_allocator=None, num_draft_tokens=block)
+    want = last.clone()
+    for i in range(bs):
+        for j in range(width):
+            if accept[i, j] >= 0:
+                want[i * block + j] = last[accept[i, j]]
+    moved = getattr(output, ATTR)
+    for i, n in enumerate((3, 2, 3)):  # the accepted runs (rows past them are never read)
+        assert torch.equal(moved[i * block:i * block + n], want[i * block:i * block + n])
+    assert torch.equal(output.hidden_states[block:block + 2], captured[[6, 7]])  # sglang moved its own rows

@@ -19,6 +19,8 @@ from sglang.srt.runtime_context import get_parallel, get_server_args
 from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
 from sglang_rl.adapters import cotrain, hidden_states, kcbs, toploc, transport
+from sglang_rl.adapters.cotrain_rows import CotrainRows
+from sglang_rl.adapters.last_layer_rows import last_layer_rows, set_last_layer_rows
 from sglang_rl.adapters.request_state import (
     cotrain_rows_of,
     fingerprint_of,
@@ -130,15 +132,24 @@ def update_finish_state_around(original: Callable, req: Any, *args: Any, **kwarg
     return result
 
 
-def _hidden_rows(batch: Any, result: Any) -> torch.Tensor | None:
-    """The batch's captured rows on the host, or None when no request of the batch asked for rows
-    (a server started with --enable-return-hidden-states captures rows for every batch)."""
+def _hidden_rows(batch: Any, result: Any) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The batch's last-layer rows and its captured rows (the same tensor, except an EAGLE3
+    target's: its auxiliary layers, which its co-training rows take), or Nones when no request of
+    the batch asked for rows (a server with --enable-return-hidden-states captures every batch)."""
     if not batch.return_hidden_states:
-        return None
+        return None, None
     if result.copy_done is not None:
         result.copy_done.synchronize()
     logits_output = result.logits_output
-    return None if logits_output is None else logits_output.hidden_states
+    if logits_output is None:
+        return None, None
+    return last_layer_rows(logits_output), logits_output.hidden_states
+
+
+def _rows_for(collector: Any, last: torch.Tensor, captured: torch.Tensor) -> torch.Tensor:
+    """Co-training rows are what the draft reads (the captured ones); every other collector's are
+    the last layer's."""
+    return captured if isinstance(collector, CotrainRows) else last
 
 
 def copy_to_cpu_around(original: Callable, result: Any, return_logprob: bool = False,
@@ -150,11 +161,11 @@ def copy_to_cpu_around(original: Callable, result: Any, return_logprob: bool = F
     (hidden-state fields, co-training) take sglang's host copy as before. A request's own
     sglang return_hidden_states still works: sglang copies its rows out of the device tensor. The
     result carries its scheduler's pipeline (`toploc.worker_forward_after`)."""
-    rows = getattr(result.logits_output, "hidden_states", None) if return_hidden_states else None
+    rows = last_layer_rows(result.logits_output) if return_hidden_states else None
     pipeline = toploc.pipeline_of(result)
     if (rows is not None and pipeline is not None and rows.device == pipeline.device
             and _rows_only_fingerprinted(get_server_args())):
-        result.logits_output.hidden_states = pipeline.keep_rows(rows)
+        set_last_layer_rows(result.logits_output, pipeline.keep_rows(rows))
         return_hidden_states = False
     return original(result, return_logprob, return_hidden_states)
 
@@ -187,7 +198,7 @@ def _take(hidden: torch.Tensor, index: list[int] | range) -> torch.Tensor:
 
 def prefill_result_around(original: Callable, processor: Any, batch: Any, result: Any) -> Any:
     """AROUND process_batch_result_prefill: route prefill rows, then let sglang process the batch."""
-    hidden = _hidden_rows(batch, result) if processor.is_generation and _rows_wanted(processor) else None
+    hidden, captured = _hidden_rows(batch, result) if processor.is_generation and _rows_wanted(processor) else (None, None)
     if hidden is not None:
         # FULL capture gives a row per extended token, LAST one per request. Count rows rather
         # than ask the batch's mode: an EAGLE worker captures its target's prefill FULL whatever
@@ -206,10 +217,11 @@ def prefill_result_around(original: Callable, processor: Any, batch: Any, result
                     continue
                 last_chunk = req.inflight_middle_chunks <= 0
                 end = len(req.origin_input_ids) + len(req.output_ids)  # > prompt after a retraction
+                rows = _rows_for(collector, hidden, captured)
                 if collector.needs_prompt_rows and full:
-                    collector.add_prefill(_take(hidden, range(lo, hi)), last_chunk, end)
+                    collector.add_prefill(_take(rows, range(lo, hi)), last_chunk, end)
                 elif last_chunk:
-                    collector.add_prefill(_take(hidden, [hi - 1]), True, end)
+                    collector.add_prefill(_take(rows, [hi - 1]), True, end)
             state = fingerprint_of(req)
             if state is None or state.done:
                 continue
@@ -230,7 +242,7 @@ def decode_result_around(original: Callable, processor: Any, batch: Any, result:
     Under speculative decoding a request's block of `speculative_num_draft_tokens` rows starts
     with its accepted run (the worker moves the accepted tree path to the front): its first
     `accept_lens[i]` rows are those of the committed tokens, in order."""
-    hidden = _hidden_rows(batch, result) if _rows_wanted(processor) else None
+    hidden, captured = _hidden_rows(batch, result) if _rows_wanted(processor) else (None, None)
     if hidden is not None:
         stride = result.speculative_num_draft_tokens or 1
         accepted = result.accept_lens.tolist() if result.accept_lens is not None else None
@@ -243,7 +255,13 @@ def decode_result_around(original: Callable, processor: Any, batch: Any, result:
         if pipeline is not None and (builders or pipeline.holds_requests()):  # a step even without rows
             pipeline.add_builder_rows(builders, hidden, _topk(), counts, starts)
         if collectors:
-            hidden_states.add_decode_rows(collectors, _private_host_rows(hidden, processor))
+            if captured is hidden:
+                hidden_states.add_decode_rows(collectors, _private_host_rows(hidden, processor))
+            else:  # an EAGLE3 target: co-training takes its auxiliary rows, the rest the last layer's
+                for rows, group in ((captured, [c for c in collectors if isinstance(c[0], CotrainRows)]),
+                                    (hidden, [c for c in collectors if not isinstance(c[0], CotrainRows)])):
+                    if group:
+                        hidden_states.add_decode_rows(group, _private_host_rows(rows, processor))
     return original(processor, batch, result)
 
 

@@ -20,6 +20,7 @@ import torch
 
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 
+from sglang_rl.adapters import last_layer_rows
 from sglang_rl.fingerprint.device_prover import device_index
 
 def accepted_rows_to_front(rows: torch.Tensor, accept_index: torch.Tensor, block: int) -> torch.Tensor:
@@ -80,4 +81,7 @@ def prefill_rows_around(original: Callable, worker: Any, batch: Any, *args: Any,
     if count == 0 or count >= rows.shape[0] or (isinstance(lengths, list) and sum(lengths) != rows.shape[0]):
         return result
     output.hidden_states = last_rows_of_runs(rows, lengths)
+    last = getattr(output, last_layer_rows.ATTR, None)  # an EAGLE3 target's, beside its auxiliary rows
+    if last is not None:
+        setattr(output, last_layer_rows.ATTR, last_rows_of_runs(last, lengths))
     return result
