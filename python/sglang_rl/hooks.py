@@ -28,7 +28,7 @@ def hook_table() -> list[Hook]:
     from sglang_rl.adapters import api, hidden_states, kcbs, last_layer_rows, openai, scheduler, speculative
     from sglang_rl.adapters import cotrain, cotrain_api, cotrain_parallel, drafter_weights, drafter_weights_api
     from sglang_rl.adapters import drafter_save, drafter_save_api
-    from sglang_rl.adapters import seeded_sampling, toploc, toploc_metrics
+    from sglang_rl.adapters import seeded_sampling, specforge_export, toploc, toploc_metrics
     from sglang_rl.server_args import RLServerArgs
 
     REPLACE, AROUND, BEFORE, AFTER = HookType.REPLACE, HookType.AROUND, HookType.BEFORE, HookType.AFTER
@@ -79,6 +79,10 @@ def hook_table() -> list[Hook]:
           for worker, step in (("eagle_worker_v2.EAGLEWorkerV2", "an EAGLE / NEXTN"),
                                ("multi_layer_eagle_worker_v2.MultiLayerEagleWorkerV2", "a multi-layer EAGLE"),
                                ("ngram_worker.NGRAMWorker", "an NGRAM"))),
+        Hook(f"{SRT}.managers.scheduler.Scheduler.__init__", AFTER, specforge_export.scheduler_init_after,
+             "--specforge-export-dir: the scheduler's export and its writer thread"),
+        Hook(f"{SRT}.managers.scheduler.Scheduler._add_request_to_queue", BEFORE, specforge_export.add_request_before,
+             "--specforge-export-dir: the export adopts each queued generation (its two row windows)"),
         Hook(f"{SRT}.managers.scheduler.Scheduler.__init__", AFTER, kcbs.scheduler_init_after,
              "the scheduler keeps this process's k-CBS searches (a KcbsManager, also on its model runner)"),
         Hook(f"{SRT}.managers.scheduler.Scheduler.abort_request", AROUND, kcbs.abort_request_around,

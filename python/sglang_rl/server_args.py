@@ -59,6 +59,12 @@ class RLServerArgs(ServerArgs):
         "defaults and the --toploc-verification-max-* flags.",
     ] = None
 
+    specforge_export_dir: A[
+        Optional[str],
+        "sglang-rl: write every finished rollout of this EAGLE3 server into this folder in SpecForge's "
+        "offline EAGLE3 format (one .ckpt per rollout: input_ids, loss_mask, hidden_state, aux_hidden_state).",
+    ] = None
+
     drafter_cotrain: A[
         bool,
         "sglang-rl: co-train the EAGLE drafter on this server's own rollouts and hot-swap it into "
@@ -129,6 +135,9 @@ class RLServerArgs(ServerArgs):
             # sglang loads the draft in --load-format unless told otherwise (verl starts servers this way)
             logger.warning("--load-format dummy applies to the draft too: %s is not read and the draft is random; "
                            "--speculative-draft-load-format auto loads it", self.speculative_draft_model_path)
+        if self.specforge_export_dir is not None and str(self.speculative_algorithm or "").upper() != "EAGLE3":
+            raise ValueError("--specforge-export-dir needs --speculative-algorithm EAGLE3: SpecForge's offline "
+                             "format holds the auxiliary layers an EAGLE3 target captures for its draft")
         if self.drafter_cotrain:
             self._check_cotrain()
             if self.enable_memory_saver:
@@ -154,8 +163,8 @@ class RLServerArgs(ServerArgs):
             graphs = any(getattr(config, phase).backend != Backend.DISABLED for phase in ("decode", "prefill"))
             off = "with --disable-cuda-graph"
         if graphs:
-            raise ValueError("--speculative-algorithm EAGLE3 with --toploc-verification or "
-                             f"--enable-return-hidden-states runs {off}: a graph replay returns the "
+            raise ValueError("--speculative-algorithm EAGLE3 with --toploc-verification, "
+                             f"--enable-return-hidden-states or --specforge-export-dir runs {off}: a graph replay returns the "
                              "auxiliary rows its draft reads, not the last layer's that fingerprints and "
                              "hidden-state fields are defined on")
 

@@ -12,7 +12,8 @@ The target decides every token: greedy output ids with EAGLE3 equal those of the
 The server also runs --toploc-verification and --enable-return-hidden-states: fingerprints and
 hidden-state rows are the last layer's (the target captures auxiliary layers for its draft), so
 its fingerprints verify on a server without speculative decoding and the other way round, and its
-rows equal a transformers forward.
+rows equal a transformers forward. With --specforge-export-dir it writes each rollout in
+SpecForge's offline format, whose last-layer and auxiliary rows equal a transformers forward's.
 """
 
 from __future__ import annotations
@@ -48,7 +49,9 @@ def _eagle3_drafter(model_path: str, workdir: Path) -> Prepared:
                "--draft-vocab-size", str(DRAFT_VOCAB), "--token-counts", str(workdir / "counts.json")])
     assert rc == 0
     _always_hello(out, tok(" hello", add_special_tokens=False)["input_ids"][0])
-    return Prepared(args=("--speculative-draft-model-path", str(out)), data={"drafter": out})
+    export = workdir / "specforge"
+    return Prepared(args=("--speculative-draft-model-path", str(out), "--specforge-export-dir", str(export)),
+                    data={"drafter": out, "specforge": export})
 
 
 def _always_hello(folder: Path, hello: int) -> None:
@@ -121,3 +124,48 @@ def test_fingerprints_under_eagle3_verify_without_speculative_decoding(eagle3_se
     assert eagle3[0]["spec_verify_ct"] * 2 <= eagle3[0]["completion_tokens"], eagle3[0]
     assert_fingerprints_verify(toploc_server.url, eagle3)
     assert_fingerprints_verify(eagle3_server.url, [out["meta_info"] for out in _all_at_once(toploc_server.url)])
+
+
+def _exported(folder: Path, ids: list[int], timeout: float = 60) -> dict:
+    """The exported record of the rollout with these input ids (the writer runs off the loop)."""
+    import time
+
+    import torch
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for path in sorted(folder.glob("*.ckpt")):
+            record = torch.load(path, weights_only=True)
+            if record["input_ids"].tolist() == ids:
+                return record
+        time.sleep(0.5)
+    seen = [torch.load(path, weights_only=True)["input_ids"].tolist()[:8] for path in sorted(folder.glob("*.ckpt"))]
+    raise AssertionError(f"no record of {ids[:8]}... in {folder}, only of {seen}")
+
+
+def test_rollouts_are_exported_in_specforge_format(eagle3_server: Server, hf) -> None:
+    """Each rollout is a SpecForge record: input ids of prompt + response less its last token,
+    the response's loss mask, and bf16 rows of the last layer and of the auxiliary layers the
+    draft reads (inputs of target layers 2, 15 and 27), each equal to a transformers forward."""
+    import torch
+
+    from sglang_rl.drafter.eagle3 import default_aux_layer_ids
+
+    with ThreadPoolExecutor(2) as pool:
+        outs = list(pool.map(lambda p: generate(eagle3_server.url, p, MAX_NEW), PROMPTS[:2]))
+    assert outs[0]["meta_info"]["spec_verify_ct"] * 2 <= outs[0]["meta_info"]["completion_tokens"]  # chains accepted
+    layers = [i + 1 for i in default_aux_layer_ids(hf.model.config.num_hidden_layers)]
+    for out in outs:
+        prompt, response = out["meta_info"]["input_ids"], out["meta_info"]["output_ids"]
+        ids = prompt + response[:-1]
+        record = _exported(Path(eagle3_server.prepared["specforge"]), ids)
+        assert set(record) == {"input_ids", "loss_mask", "hidden_state", "aux_hidden_state"}
+        assert record["loss_mask"].tolist() == [0] * len(prompt) + [1] * (len(response) - 1)
+        with torch.no_grad():
+            states = hf.model.model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+        want_last = hf.rows(ids)
+        want_aux = torch.cat([states[layer][0] for layer in layers], dim=-1)
+        for name, want in (("hidden_state", want_last), ("aux_hidden_state", want_aux)):
+            got = record[name]
+            assert got.dtype == torch.bfloat16 and tuple(got.shape) == (1, *want.shape), (name, got.shape)
+            torch.testing.assert_close(got[0].float(), want, atol=2e-3, rtol=1e-2, msg=name)

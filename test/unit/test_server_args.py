@@ -35,7 +35,7 @@ def test_eagle3_rows_need_a_target_without_graphs(tmp_path, flags: dict, refused
     if refused is None:
         assert RLServerArgs(**kwargs).toploc_verification
     else:
-        with pytest.raises(ValueError, match=f"EAGLE3 with --toploc-verification or --enable-return-hidden-states runs {refused}"):
+        with pytest.raises(ValueError, match=f"EAGLE3 with --toploc-verification, --enable-return-hidden-states or --specforge-export-dir runs {refused}"):
             RLServerArgs(**kwargs)
 
 
@@ -120,3 +120,10 @@ def test_eagle3_cotraining_needs_its_own_head_and_one_tp_rank(tmp_path, change: 
     else:
         with pytest.raises(ValueError, match=reason):
             RLServerArgs(**kwargs)
+
+
+@pytest.mark.parametrize("algorithm", [None, "EAGLE"])
+def test_specforge_export_needs_an_eagle3_target(algorithm) -> None:
+    """SpecForge's offline records hold the auxiliary layers only an EAGLE3 target captures."""
+    with pytest.raises(ValueError, match="--specforge-export-dir needs --speculative-algorithm EAGLE3"):
+        RLServerArgs(model_path="unused", speculative_algorithm=algorithm, specforge_export_dir="/tmp/unused")

@@ -28,6 +28,7 @@ class CotrainRows:
     segments = None  # never files
     takes_references = False  # add_decode_rows gives it runs of the step's kept rows
     needs_prompt_rows = True  # the prompt's rows train too, as far as the window reaches
+    takes_captured_rows = True  # what the draft reads: an EAGLE3 target's auxiliary layers
 
     def __init__(self, prompt_len: int, window: int) -> None:
         # its own attribute on the request, so it never limits the radix cache (prefix_limit

@@ -24,9 +24,11 @@ _PENDING = "_sglang_rl_pending_last_layer_rows"
 
 
 def server_needs_them(args: Any) -> bool:
-    """Whether an EAGLE3 server's requests can need last-layer rows (fingerprints or fields)."""
+    """Whether an EAGLE3 server's requests can need last-layer rows (fingerprints, fields, the
+    SpecForge export)."""
     return (str(getattr(args, "speculative_algorithm", None) or "").upper() == "EAGLE3"
-            and bool(getattr(args, "toploc_verification", False) or args.return_hidden_states_mode))
+            and bool(getattr(args, "toploc_verification", False) or args.return_hidden_states_mode
+                     or getattr(args, "specforge_export_dir", None)))
 
 
 def store_rows_around(original: Callable, processor: Any, hidden_states: torch.Tensor,

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from sglang_rl.adapters.cotrain_rows import CotrainRows
     from sglang_rl.adapters.hidden_states import RowCollector
     from sglang_rl.adapters.kcbs_manager import KcbsSearch
+    from sglang_rl.adapters.specforge_export import SpecForgeExport
 
 ATTR = "_sglang_rl"
 
@@ -37,6 +38,10 @@ class RequestState:
     """Drafter co-training: the rows of a rollout that feeds the trainer."""
     cotrain_counted: bool = False
     """Drafter co-training: the finished rollout was counted once."""
+    specforge_export: Optional["SpecForgeExport"] = None
+    """SpecForge export: the export of the scheduler that queued the request (writes it)."""
+    specforge_rows: Optional[tuple] = None
+    """SpecForge export: the request's captured and last-layer row windows."""
     seeded_sampling_seed: Optional[int] = None
     """Seeded sampling: the sampling_seed of a request that asked for it (read once, at Req init)."""
     pending_payload: Optional[dict] = None

@@ -18,14 +18,14 @@ from sglang.srt.runtime_context import get_parallel, get_server_args
 
 from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
-from sglang_rl.adapters import cotrain, hidden_states, kcbs, toploc, transport
-from sglang_rl.adapters.cotrain_rows import CotrainRows
+from sglang_rl.adapters import cotrain, hidden_states, kcbs, specforge_export, toploc, transport
 from sglang_rl.adapters.last_layer_rows import last_layer_rows, set_last_layer_rows
 from sglang_rl.adapters.request_state import (
     cotrain_rows_of,
     fingerprint_of,
     hidden_states_of,
     kcbs_beam_of,
+    peek,
     kcbs_search_of,
     state_of,
 )
@@ -42,7 +42,7 @@ def server_capture_mode_after(result: CaptureHiddenMode, server_args: Any) -> Ca
     return result
 
 
-def _sends_outputs() -> bool:
+def sends_outputs() -> bool:
     """Only the first rank of each attention-TP group streams outputs; other ranks hold the same
     rows and skip the work (no host copies, no proofs) on them."""
     try:
@@ -61,7 +61,7 @@ def req_init_after(result: None, req: Any, *args: Any, **kwargs: Any) -> None:
         # k-CBS output is assembled from its beams: no fingerprint or rows for it
         state_of(req).kcbs_search = kcbs.KcbsSearch(req, *search)
         return
-    sends = _sends_outputs()
+    sends = sends_outputs()
     state = toploc.state_for_request(options, get_server_args())
     if state is not None:
         needed = (
@@ -92,6 +92,9 @@ def _row_collectors(req: Any) -> list:
     rows = cotrain_rows_of(req)
     if rows is not None:
         found.append(rows)
+    state = peek(req)
+    if state is not None and state.specforge_rows is not None:
+        found.extend(state.specforge_rows)
     return found
 
 
@@ -99,9 +102,9 @@ def max_prefix_len_around(original: Callable, req: Any, *args: Any, **kwargs: An
     """AROUND Req._compute_max_prefix_len: a request that wants prompt rows must recompute them,
     so the radix cache may only serve the prefix before the first wanted row."""
     result = original(req, *args, **kwargs)
-    collector = hidden_states_of(req)
-    limit = collector.prefix_limit() if collector is not None else None
-    return result if limit is None else min(result, limit)
+    limits = [c.prefix_limit() for c in _row_collectors(req) if hasattr(c, "prefix_limit")]
+    limits = [limit for limit in limits if limit is not None]
+    return min([result, *limits])
 
 
 def update_finish_state_around(original: Callable, req: Any, *args: Any, **kwargs: Any) -> Any:
@@ -149,7 +152,7 @@ def _hidden_rows(batch: Any, result: Any) -> tuple[torch.Tensor | None, torch.Te
 def _rows_for(collector: Any, last: torch.Tensor, captured: torch.Tensor) -> torch.Tensor:
     """Co-training rows are what the draft reads (the captured ones); every other collector's are
     the last layer's."""
-    return captured if isinstance(collector, CotrainRows) else last
+    return captured if getattr(collector, "takes_captured_rows", False) else last
 
 
 def copy_to_cpu_around(original: Callable, result: Any, return_logprob: bool = False,
@@ -186,8 +189,9 @@ def _server_wants_rows(args: Any) -> bool:
 def _server_collects_rows(args: Any) -> bool:
     """Whether requests can have row collectors: hidden-state fields need a server started with
     --enable-return-hidden-states (the API refuses them otherwise), co-training rows need
-    --drafter-cotrain."""
-    return bool(args.return_hidden_states_mode or getattr(args, "drafter_cotrain", False))
+    --drafter-cotrain, SpecForge export rows --specforge-export-dir."""
+    return bool(args.return_hidden_states_mode or getattr(args, "drafter_cotrain", False)
+                or getattr(args, "specforge_export_dir", None))
 
 
 def _take(hidden: torch.Tensor, index: list[int] | range) -> torch.Tensor:
@@ -258,8 +262,8 @@ def decode_result_around(original: Callable, processor: Any, batch: Any, result:
             if captured is hidden:
                 hidden_states.add_decode_rows(collectors, _private_host_rows(hidden, processor))
             else:  # an EAGLE3 target: co-training takes its auxiliary rows, the rest the last layer's
-                for rows, group in ((captured, [c for c in collectors if isinstance(c[0], CotrainRows)]),
-                                    (hidden, [c for c in collectors if not isinstance(c[0], CotrainRows)])):
+                for rows in (captured, hidden):
+                    group = [c for c in collectors if _rows_for(c[0], hidden, captured) is rows]
                     if group:
                         hidden_states.add_decode_rows(group, _private_host_rows(rows, processor))
     return original(processor, batch, result)
@@ -334,6 +338,7 @@ def _finish_rows(reqs: list, pipeline: Any) -> None:
     finishing, collectors = [], []
     for req in finished:
         cotrain.count_finished(req)
+        specforge_export.finished(req)
         state = fingerprint_of(req)
         if isinstance(state, FingerprintBuilder) and not state.done:
             finishing.append((state, req))
