@@ -305,6 +305,17 @@ def check_response(hf: HFReference, fields: dict, *, mode: Any, fmt: Optional[st
     return check_rows(hf, ids, rows, pos, expected, what)
 
 
+def check_rows_of_accepted_drafts(url: str, hf: HFReference, prompt: str, what: str) -> None:
+    """On a speculative server: the rows of a request whose drafts get accepted (every position,
+    the final token's too) equal a transformers forward of prompt + response, and asking for
+    rows does not change the ids."""
+    out = generate(url, prompt, 20, fields=hs_fields(True, "list", "all", None, True))
+    meta = out["meta_info"]
+    assert meta["spec_verify_ct"] < meta["completion_tokens"], meta
+    check_response(hf, meta, mode=True, fmt="list", scope="all", last_n=None, final=True, what=what)
+    assert meta["output_ids"] == generate(url, prompt, 20)["meta_info"]["output_ids"]
+
+
 def finish_type(finish: Any) -> Optional[str]:
     return finish.get("type") if isinstance(finish, dict) else finish
 

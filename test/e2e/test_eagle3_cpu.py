@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from e2e_servers import EAGER, Prepared, Server, Spec, server_fixture
-from hidden_states_fixtures import check_response, generate, hs_fields
+from hidden_states_fixtures import check_rows_of_accepted_drafts, generate
 from speculative_prompts import MAX_NEW, PROMPTS, REPEATING
 from toploc_helpers import assert_fingerprints_verify
 
@@ -109,11 +109,7 @@ def test_greedy_ids_equal_the_plain_server(eagle3_server: Server, plain_server: 
 def test_hidden_state_rows_are_the_last_layers(eagle3_server: Server, hf) -> None:
     """Rows asked for on the EAGLE3 server, of a request whose drafts get accepted, equal a
     transformers forward of prompt + response: the last layer, not the auxiliary layers."""
-    out = generate(eagle3_server.url, REPEATING, 20, fields=hs_fields(True, "list", "all", None, True))
-    meta = out["meta_info"]
-    assert meta["spec_verify_ct"] < meta["completion_tokens"], meta
-    check_response(hf, meta, mode=True, fmt="list", scope="all", last_n=None, final=True, what="eagle3")
-    assert meta["output_ids"] == generate(eagle3_server.url, REPEATING, 20)["meta_info"]["output_ids"]
+    check_rows_of_accepted_drafts(eagle3_server.url, hf, REPEATING, "eagle3")
 
 
 def test_fingerprints_under_eagle3_verify_without_speculative_decoding(eagle3_server: Server,

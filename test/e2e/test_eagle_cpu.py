@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from e2e_servers import EAGER, Prepared, Server, Spec, server_fixture
-from hidden_states_fixtures import check_response, generate, hs_fields
+from hidden_states_fixtures import check_rows_of_accepted_drafts, generate
 from toploc_helpers import assert_fingerprints_verify
 from speculative_prompts import MAX_NEW, PROMPTS, REPEATING
 
@@ -144,11 +144,7 @@ def test_chat_and_streaming_match_the_plain_server(eagle_server: Server, plain_s
 def test_hidden_state_rows_under_eagle(eagle_server: Server, hf) -> None:
     """--enable-return-hidden-states with EAGLE: the rows of a request whose drafts get accepted
     equal a transformers forward of prompt + response, and the ids do not change."""
-    out = generate(eagle_server.url, REPEATING, 20, fields=hs_fields(True, "list", "all", None, True))
-    meta = out["meta_info"]
-    assert meta["spec_verify_ct"] < meta["completion_tokens"], meta
-    check_response(hf, meta, mode=True, fmt="list", scope="all", last_n=None, final=True, what="eagle")
-    assert meta["output_ids"] == generate(eagle_server.url, REPEATING, 20)["meta_info"]["output_ids"]
+    check_rows_of_accepted_drafts(eagle_server.url, hf, REPEATING, "eagle")
 
 
 def test_fingerprints_under_eagle_verify_without_speculative_decoding(eagle_server: Server,
