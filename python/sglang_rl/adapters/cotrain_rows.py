@@ -31,8 +31,6 @@ class CotrainRows:
     takes_captured_rows = True  # what the draft reads: an EAGLE3 target's auxiliary layers
 
     def __init__(self, prompt_len: int, window: int) -> None:
-        # its own attribute on the request, so it never limits the radix cache (prefix_limit
-        # applies to user-requested rows only): it takes the prompt rows that were computed
         self.prompt_len = prompt_len
         self.window = window
         self.runs: collections.deque[tuple[torch.Tensor, int, int, int]] = collections.deque()
@@ -41,6 +39,11 @@ class CotrainRows:
         self.done = False
         self.ids: list[int] = []
         self.policy_version = 0
+
+    def prefix_limit(self) -> Optional[int]:
+        """No limit: co-training takes the prompt rows that were computed, whatever the radix
+        cache served."""
+        return None
 
     def add_prefill(self, rows: torch.Tensor, last_chunk: bool, end: Optional[int] = None) -> None:
         """Rows of one prefill chunk (chunks end at position `end`, default the prompt length)."""

@@ -94,6 +94,8 @@ class RowCollector:
     outputs keeps no rows (`stores=False`) but still runs the deferred final step like the others.
     """
 
+    takes_captured_rows = False  # the last layer's rows, also on an EAGLE3 target
+
     def __init__(self, options: HiddenStatesOptions, prompt_len: int,
                  max_new_tokens: Optional[int] = None, stores: bool = True) -> None:
         self.options = options

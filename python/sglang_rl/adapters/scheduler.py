@@ -102,8 +102,7 @@ def max_prefix_len_around(original: Callable, req: Any, *args: Any, **kwargs: An
     """AROUND Req._compute_max_prefix_len: a request that wants prompt rows must recompute them,
     so the radix cache may only serve the prefix before the first wanted row."""
     result = original(req, *args, **kwargs)
-    limits = [c.prefix_limit() for c in _row_collectors(req) if hasattr(c, "prefix_limit")]
-    limits = [limit for limit in limits if limit is not None]
+    limits = [limit for c in _row_collectors(req) if (limit := c.prefix_limit()) is not None]
     return min([result, *limits])
 
 
@@ -152,7 +151,7 @@ def _hidden_rows(batch: Any, result: Any) -> tuple[torch.Tensor | None, torch.Te
 def _rows_for(collector: Any, last: torch.Tensor, captured: torch.Tensor) -> torch.Tensor:
     """Co-training rows are what the draft reads (the captured ones); every other collector's are
     the last layer's."""
-    return captured if getattr(collector, "takes_captured_rows", False) else last
+    return captured if collector.takes_captured_rows else last
 
 
 def copy_to_cpu_around(original: Callable, result: Any, return_logprob: bool = False,
@@ -258,14 +257,13 @@ def decode_result_around(original: Callable, processor: Any, batch: Any, result:
         pipeline = toploc.processor_pipeline(processor)
         if pipeline is not None and (builders or pipeline.holds_requests()):  # a step even without rows
             pipeline.add_builder_rows(builders, hidden, _topk(), counts, starts)
-        if collectors:
-            if captured is hidden:
-                hidden_states.add_decode_rows(collectors, _private_host_rows(hidden, processor))
-            else:  # an EAGLE3 target: co-training takes its auxiliary rows, the rest the last layer's
-                for rows in (captured, hidden):
-                    group = [c for c in collectors if _rows_for(c[0], hidden, captured) is rows]
-                    if group:
-                        hidden_states.add_decode_rows(group, _private_host_rows(rows, processor))
+        # one host copy per kind of rows (two only on an EAGLE3 target: auxiliary and last layer)
+        groups: dict[int, tuple[torch.Tensor, list]] = {}
+        for item in collectors:
+            rows = _rows_for(item[0], hidden, captured)
+            groups.setdefault(id(rows), (rows, []))[1].append(item)
+        for rows, group in groups.values():
+            hidden_states.add_decode_rows(group, _private_host_rows(rows, processor))
     return original(processor, batch, result)
 
 

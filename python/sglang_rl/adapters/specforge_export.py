@@ -68,8 +68,6 @@ class SpecForgeExport:
         self.window = window
         self.prefix = f"dp{dp_rank}"
         self.numbers = itertools.count(_first_free(self.directory, self.prefix))
-        self.written = 0
-        self.skipped = 0
         self.queue: queue.Queue = queue.Queue()
         self.writer = threading.Thread(target=self._write_loop, name="sglang-rl-specforge-export", daemon=True)
         self.writer.start()
@@ -100,7 +98,7 @@ class SpecForgeExport:
             return
         made = record(*rows)
         if made is None:
-            self.skipped += 1
+            logger.warning("sglang-rl SpecForge export: request %s has a gap in its rows; not written", req.rid)
             return
         self.queue.put(made)
 
@@ -113,7 +111,6 @@ class SpecForgeExport:
             try:
                 torch.save(item, path.with_suffix(".tmp"))
                 os.replace(path.with_suffix(".tmp"), path)
-                self.written += 1
             except OSError:
                 logger.exception("sglang-rl SpecForge export: %s not written", path)
 
