@@ -227,8 +227,6 @@ class RLServerArgs(ServerArgs):
             raise ValueError("--drafter-cotrain with EAGLE3 needs a draft with its own LM head "
                              "(draft_vocab_size set, tie_word_embeddings false), as `sglang-rl drafter "
                              "init --arch eagle3` writes")
-        if self.tp_size > 1:
-            raise ValueError("--drafter-cotrain with EAGLE3 runs with --tp-size 1 (--dp-size is supported)")
 
     def _check_cotrain(self) -> None:
         """Refuse a co-training setup that cannot work, with the reason, before anything starts."""

@@ -1,20 +1,25 @@
 """Co-training on one CPU server with `--tp-size 2 --dp-size 2` (four schedulers, gloo): one
 trainer for both replicas, rows from TP rank 0 of each, every TP rank swapping in each round at
-the same scheduler iteration, statistics per replica and in total. (Start-up refusals of bad
-parallel options: test/unit/test_cotrain_parallel.py.)"""
+the same scheduler iteration, statistics per replica and in total. An EAGLE3 drafter with
+`--tp-size 2`: its own LM head is split over the ranks by vocabulary, and each rank loads its
+rows of every round. (Start-up refusals of bad parallel options: test/unit/test_cotrain_parallel.py.)"""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
+import pickle
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import requests
+import torch
 
 from e2e_servers import EAGER, Prepared, Spec, server_fixture
 from test_drafter_cotrain import init_drafter
+from test_drafter_cotrain_eagle3 import DRAFT_VOCAB, _eagle3_drafter
 
 ROUND = 4
 FLAGS = ("--tp-size", "2", "--dp-size", "2", "--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3",
@@ -25,18 +30,31 @@ FLAGS = ("--tp-size", "2", "--dp-size", "2", "--speculative-algorithm", "EAGLE",
 BIND = {"SGLANG_CPU_OMP_THREADS_BIND": f"0|{min(1, (os.cpu_count() or 1) - 1)}"}
 
 
-def _split_heads(model_path: str, workdir: Path) -> Prepared:
+def _six_heads(draft: Path) -> Prepared:
     """A drafter whose attention splits over 2 ranks: SmolLM2's 9 heads of 64 do not, so the same
     weights are read as 6 heads of 96 with 2 key/value heads (every tensor keeps its shape)."""
-    draft = init_drafter(model_path, workdir / "d6")
     config = json.loads((draft / "config.json").read_text())
     config.update(num_attention_heads=6, num_key_value_heads=2, head_dim=96)
     (draft / "config.json").write_text(json.dumps(config, indent=2))
     return Prepared(args=("--speculative-draft-model-path", str(draft)))
 
 
+def _split_heads(model_path: str, workdir: Path) -> Prepared:
+    return _six_heads(init_drafter(model_path, workdir / "d6"))
+
+
+def _split_heads_eagle3(model_path: str, workdir: Path) -> Prepared:
+    return _six_heads(Path(_eagle3_drafter(model_path, workdir).args[1]))
+
+
 PARALLEL = Spec("cotrain-tp2-dp2", FLAGS, env={**EAGER, **BIND}, prepare=_split_heads)
 parallel_server = server_fixture(PARALLEL, scope="module", doc="tp 2 x dp 2 co-training server (4 schedulers).")
+EAGLE3_FLAGS = ("--tp-size", "2", "--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "3",
+                "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4", "--drafter-cotrain",
+                "--drafter-cotrain-samples-per-round", str(ROUND), "--drafter-cotrain-steps", "3",
+                "--drafter-cotrain-lr", "1e-3", "--drafter-cotrain-threads", "1")
+EAGLE3_TP = Spec("cotrain-eagle3-tp2", EAGLE3_FLAGS, env={**EAGER, **BIND}, prepare=_split_heads_eagle3)
+eagle3_tp_server = server_fixture(EAGLE3_TP, scope="module", doc="EAGLE3 co-training with tp 2 (2 schedulers).")
 
 
 def _stats(url: str) -> dict:
@@ -92,3 +110,41 @@ def test_tp_dp_server_cotrains_one_drafter(parallel_server) -> None:
     assert common and all(losses[0][n] == losses[1][n] for n in common), losses
     assert max(r["trainer_received"] for r in replicas) >= ROUND
 
+
+
+def _tp_ranks(url: str) -> list[dict]:
+    ranks = _stats(url)["tp_ranks"]
+    assert [t["tp_rank"] for t in ranks] == [0, 1] and all(not t["errors"] for t in ranks), ranks
+    return ranks
+
+
+def test_eagle3_tp_ranks_each_load_their_rows_of_the_drafters_head(eagle3_tp_server, model_path: str) -> None:
+    url = eagle3_tp_server.url
+    hidden = json.loads((Path(model_path) / "config.json").read_text())["hidden_size"]
+    # a head whose vocabulary halves differ: rank 0 holds ids 0..2047 of the draft vocabulary, rank 1 the rest
+    head = torch.randn(DRAFT_VOCAB, hidden, generator=torch.Generator().manual_seed(3)) * 0.02
+    head[DRAFT_VOCAB // 2:] += 0.01
+    body = base64.b64encode(pickle.dumps([("lm_head.weight", head)])).decode()
+    pushed = requests.post(url + "/update_draft_weights_from_tensor", timeout=120,
+                           json={"serialized_named_tensors": [body, body]})  # one payload per TP rank
+    assert pushed.status_code == 200 and pushed.json()["success"], pushed.text
+    halves = [float(h.double().sum()) for h in head.split(DRAFT_VOCAB // 2)]
+    pushed_ranks = _tp_ranks(url)
+    for rank, want in zip(pushed_ranks, halves):
+        assert abs(rank["head_shard_checksum"] - want) < 1e-6 * max(1.0, abs(want)), (pushed_ranks, halves)
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda i: _chat(url, i), range(3 * ROUND)))
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        now = _stats(url)
+        if now["rounds"] >= 1 or now["errors"]:
+            break
+        time.sleep(0.5)
+    assert now["rounds"] >= 1 and not now["errors"], f"no round loaded: {now}"
+    ranks = _tp_ranks(url)
+    assert ranks[0]["loaded_rounds"] == ranks[1]["loaded_rounds"] != [], ranks
+    assert ranks[0]["loaded_at_forward"] == ranks[1]["loaded_at_forward"], ranks
+    assert ranks[0]["fc_checksum"] == ranks[1]["fc_checksum"] != pushed_ranks[0]["fc_checksum"], ranks
+    for rank, before in zip(ranks, pushed_ranks):  # the round's head reached both vocabulary halves
+        assert rank["head_shard_checksum"] != before["head_shard_checksum"], (ranks, pushed_ranks)

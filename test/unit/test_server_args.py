@@ -97,11 +97,13 @@ def test_training_in_gaps_needs_the_servers_own_trainer(tmp_path, other: dict) -
     ({}, None),
     ({"config": {"draft_vocab_size": None}}, "needs a draft with its own LM head"),
     ({"config": {"tie_word_embeddings": True}}, "needs a draft with its own LM head"),
-    ({"args": {"tp_size": 2}}, "runs with --tp-size 1"),
+    ({"args": {"tp_size": 2}}, None),
+    ({"args": {"tp_size": 2}, "config": {"num_attention_heads": 3}}, "3 attention heads do not split over 2"),
 ])
-def test_eagle3_cotraining_needs_its_own_head_and_one_tp_rank(tmp_path, change: dict, reason) -> None:
+def test_eagle3_cotraining_needs_its_own_head_and_heads_that_split(tmp_path, change: dict, reason) -> None:
     """An EAGLE3 drafter co-trains when it has a head of its own to train (as `drafter init --arch
-    eagle3` writes one); anything else is refused before the server starts, with the reason."""
+    eagle3` writes one) and, with TP, attention heads that split over the ranks; anything else is
+    refused before the server starts, with the reason."""
     import json
 
     from sglang_rl.drafter.cli import main

@@ -207,13 +207,29 @@ def gather_tp_stats(scheduler: Any, runtime: Any) -> list[dict]:
     from sglang_rl.adapters.eagle_draft import draft_spec, find_eagle_draft
 
     eagle, _ = find_eagle_draft(getattr(scheduler, "draft_worker", None))
-    fc = draft_spec(eagle)[1].get("fc.weight") if eagle is not None else None
+    params = draft_spec(eagle)[1] if eagle is not None else {}
+    fc = params.get("fc.weight")
     mine = {"tp_rank": scheduler.ps.tp_rank, "rounds": runtime.draft_round,
             # fc is not sharded: every rank holding the same round holds the same fc
             "fc_checksum": None if fc is None else float(fc.detach().double().sum()),
+            # an EAGLE3 draft's own head is: each rank sums the vocabulary rows it holds
+            "head_shard_checksum": _head_shard_checksum(eagle),
             "loaded_rounds": [r["round"] for r in runtime.rounds],
             "loaded_at_forward": [r["forward_ct"] for r in runtime.rounds], "errors": runtime.errors[-3:]}
     return _from_every_tp_rank(scheduler, mine)
+
+
+def _head_shard_checksum(eagle: Any) -> Optional[float]:
+    """Sum of the draft-head rows this TP rank holds (its vocabulary shard, padding left out);
+    None for a draft that reads the target's head."""
+    from sglang_rl.adapters.eagle_draft import is_eagle3
+
+    if eagle is None or not is_eagle3(eagle):
+        return None
+    head = eagle.draft_runner.model.lm_head
+    shard = head.shard_indices
+    rows = shard.org_vocab_end_index - shard.org_vocab_start_index
+    return float(head.weight.detach()[:rows].double().sum())
 
 
 def _from_every_tp_rank(scheduler: Any, mine: Any) -> list:
