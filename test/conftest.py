@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -17,6 +16,11 @@ import requests
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "test"))
+
+from launcher_fork import launcher_fork  # noqa: E402 - found through the path above
+
+# what sglang may read while the launcher fork server imports it (each server has its own environment)
+SERVER_ENV = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
 
 
 @pytest.fixture(scope="session")
@@ -69,16 +73,15 @@ class Server:
             rendezvous = () if "--dp-size" in extra else ("--nccl-port", str(nccl_port))
             self.url = f"http://127.0.0.1:{self.port}"
             self.log_path = log_dir / f"{log_name}-{self.port}.log"
-            cmd = [
-                sys.executable, "-m", "sglang.launch_server", "--model-path", model,
-                "--device", "cpu", "--attention-backend", "torch_native",
+            args = [
+                "--model-path", model, "--device", "cpu", "--attention-backend", "torch_native",
                 "--max-total-tokens", "16384", "--dtype", "float32",
                 "--host", "127.0.0.1", "--port", str(self.port), *rendezvous,
                 "--log-level", "warning", *extra,
             ]
             self._log = open(self.log_path, "w")
-            self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
-                                         start_new_session=True)
+            # `python -m sglang.launch_server ARGS`, forked from an interpreter that imported it once
+            self.proc = launcher_fork(SERVER_ENV).launch(args, full_env, str(self.log_path))
             LIVE.add(self)
             try:
                 self._wait_healthy()

@@ -51,6 +51,8 @@ def _root_conftest():
 
 _ROOT = _root_conftest()
 Server = _ROOT.Server
+SERVER_ENV = _ROOT.SERVER_ENV
+launcher_fork = _ROOT.launcher_fork
 
 E2E_FLAGS = ("--sleep-on-idle",)
 LOG_DIR = Path(os.environ.get("SGLANG_RL_TEST_LOGS", "/tmp/sglang-rl-test-logs"))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -22,7 +23,7 @@ import pytest
 import requests
 import torch
 
-from e2e_servers import EAGER, Prepared, Server, Spec, e2e_env, server_fixture
+from e2e_servers import EAGER, SERVER_ENV, Prepared, Server, Spec, e2e_env, launcher_fork, server_fixture
 from toploc_helpers import assert_fingerprints_verify
 
 TRAIN_PROMPTS = 32
@@ -315,63 +316,28 @@ BAD_OPTIONS = [
 ]
 
 
-# One interpreter imports sglang's launcher once, then forks a child per set of options that runs
-# `python -m sglang.launch_server`'s main (plugins loaded there, as always): four cold interpreters
-# importing sglang cost ~70 s of a 2-core machine.
-_FORKED_LAUNCHES = """
-import json, os, runpy, sys, traceback
-import sglang.launch_server, sglang.srt.plugins, sglang_rl.hooks  # noqa: F401 - imported once, before the forks
-model, logs, sets = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-children = {}
-for i, flags in enumerate(sets):
-    pid = os.fork()
-    if pid == 0:
-        for fd, name in ((1, "out"), (2, "err")):
-            os.dup2(os.open(os.path.join(logs, f"{i}.{name}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
-        sys.argv = ["sglang.launch_server", "--model-path", model, "--device", "cpu", *flags]
-        code = 0
-        try:
-            runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 1
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-        sys.stdout.flush(), sys.stderr.flush()
-        os._exit(code)
-    children[pid] = i
-for _ in sets:
-    pid, status = os.wait()
-    open(os.path.join(logs, f"{children[pid]}.rc"), "w").write(str(os.waitstatus_to_exitcode(status)))
-"""
-
-
 @pytest.fixture(scope="module")
 def refused_starts(model_path: str, tmp_path_factory) -> Iterator:
-    """`launch_server`'s main with each set of bad options (`_FORKED_LAUNCHES`), all at once."""
+    """`launch_server`'s main with each set of bad options, all at once (forked by the suite's
+    launcher fork server, which has imported sglang's launcher already)."""
     env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", **e2e_env()}
     logs = tmp_path_factory.mktemp("refused-starts")
-    sets = [list(flags) for flags, _ in BAD_OPTIONS]
-    with open(logs / "launcher.log", "w") as out:
-        launcher = subprocess.Popen([sys.executable, "-c", _FORKED_LAUNCHES, model_path, str(logs), json.dumps(sets)],
-                                    env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+    fork = launcher_fork(SERVER_ENV)
+    launched = [(fork.launch(["--model-path", model_path, "--device", "cpu", *flags], env, str(logs / f"{i}.log")),
+                 logs / f"{i}.log") for i, (flags, _) in enumerate(BAD_OPTIONS)]
 
     def result(flags: tuple) -> tuple:
-        if launcher.poll() is None:
-            launcher.wait(timeout=300)
-        i = sets.index(list(flags))
-        rc = logs / f"{i}.rc"
-        assert rc.exists(), (logs / "launcher.log").read_text()[-3000:]
-        return int(rc.read_text()), (logs / f"{i}.out").read_text(), (logs / f"{i}.err").read_text()
+        process, log = launched[[f for f, _ in BAD_OPTIONS].index(flags)]
+        return process.wait(timeout=300), log.read_text()
 
     yield result
-    if launcher.poll() is None:
-        launcher.kill()
-        launcher.wait()
+    for process, _ in launched:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
 
 
 @pytest.mark.parametrize("flags, reason", BAD_OPTIONS)
 def test_bad_options_are_refused_at_start(refused_starts, flags: tuple, reason: str) -> None:
-    returncode, stdout, stderr = refused_starts(flags)
+    returncode, output = refused_starts(flags)
     assert returncode != 0
-    assert reason in stdout + stderr, (stdout + stderr)[-2000:]
+    assert reason in output, output[-2000:]
