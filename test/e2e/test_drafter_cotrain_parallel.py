@@ -71,6 +71,20 @@ def _chat(url: str, i: int) -> dict:
     return got.json()
 
 
+def _train_a_round(url: str) -> dict:
+    """Three rounds' worth of chats, then the statistics once every replica has loaded a round."""
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda i: _chat(url, i), range(3 * ROUND)))
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        now = _stats(url)
+        if now["rounds"] >= 1 or now["errors"]:
+            break
+        time.sleep(0.5)
+    assert now["rounds"] >= 1 and not now["errors"], f"no round loaded by every replica: {now}"
+    return now
+
+
 def test_tp_dp_server_cotrains_one_drafter(parallel_server) -> None:
     url = parallel_server.url
     start = _stats(url)
@@ -78,15 +92,7 @@ def test_tp_dp_server_cotrains_one_drafter(parallel_server) -> None:
     assert start["trainer_alive"] and start["rounds"] == 0, start
     checks0 = {r["dp_rank"]: [t["fc_checksum"] for t in r["tp_ranks"]] for r in start["replicas"]}
 
-    with ThreadPoolExecutor(4) as pool:  # the DP controller sends requests to both replicas
-        list(pool.map(lambda i: _chat(url, i), range(3 * ROUND)))
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        now = _stats(url)
-        if now["rounds"] >= 1 or now["errors"]:
-            break
-        time.sleep(0.5)
-    assert now["rounds"] >= 1 and not now["errors"], f"no round loaded by every replica: {now}"
+    now = _train_a_round(url)  # the DP controller sends the requests to both replicas
 
     replicas = now["replicas"]
     assert all(r["samples"] > 0 for r in replicas), "each replica's TP rank 0 sends its rollouts: " + \
@@ -133,15 +139,7 @@ def test_eagle3_tp_ranks_each_load_their_rows_of_the_drafters_head(eagle3_tp_ser
     for rank, want in zip(pushed_ranks, halves):
         assert abs(rank["head_shard_checksum"] - want) < 1e-6 * max(1.0, abs(want)), (pushed_ranks, halves)
 
-    with ThreadPoolExecutor(4) as pool:
-        list(pool.map(lambda i: _chat(url, i), range(3 * ROUND)))
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        now = _stats(url)
-        if now["rounds"] >= 1 or now["errors"]:
-            break
-        time.sleep(0.5)
-    assert now["rounds"] >= 1 and not now["errors"], f"no round loaded: {now}"
+    _train_a_round(url)
     ranks = _tp_ranks(url)
     assert ranks[0]["loaded_rounds"] == ranks[1]["loaded_rounds"] != [], ranks
     assert ranks[0]["loaded_at_forward"] == ranks[1]["loaded_at_forward"], ranks
