@@ -429,7 +429,8 @@ def run_speed_config(args: argparse.Namespace, name: str) -> dict:
         kw.update(cotrain_kwargs(args.cost_samples_per_round, 1 if on_cpu else args.cost_steps, args.cost_lr,
                                  args.samples_per_step, args.window, 64 if on_cpu else args.soft_topk,
                                  device, 4 if on_cpu else 0,
-                                 train_in_gaps=name in ("cotrain-gaps", "cotrain-optout") or None))
+                                 train_in_gaps=name in ("cotrain-gaps", "cotrain-optout") or None,
+                                 gap_busy_share=args.cost_busy_share if name == "cotrain-gaps" else None))
     llm = sgl.Engine(**kw)
     startup = time.time() - start
     sp = {"max_new_tokens": args.max_new_tokens, "temperature": 0}
@@ -676,6 +677,8 @@ def parser() -> argparse.ArgumentParser:
                    help="run the rollout workload this many times on one Engine; the median window is reported")
     p.add_argument("--cost-pause-s", type=float, default=0.0,
                    help="idle seconds after each rollout group, not counted (an RL step's trainer phase)")
+    p.add_argument("--cost-busy-share", type=float, default=None,
+                   help="cotrain-gaps: --drafter-cotrain-gap-busy-share (default: the server's, 1)")
     p.add_argument("--png", default="docs/cotrain_acceptance.png")
     return p
 

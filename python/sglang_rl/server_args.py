@@ -117,6 +117,10 @@ class RLServerArgs(ServerArgs):
     drafter_cotrain_gap_max_wait_s: A[
         float, "sglang-rl: with --drafter-cotrain-train-in-gaps, the longest a round waits for idle time."
     ] = 10.0
+    drafter_cotrain_gap_busy_share: A[
+        float, "sglang-rl: with --drafter-cotrain-train-in-gaps, the share of time (0-1] a round's optimizer "
+        "steps may compute while this server is busy once the round has waited its most (1: no limit)."
+    ] = 1.0
     drafter_cotrain_trainer: A[
         Optional[str], "sglang-rl: HOST:PORT of a shared `sglang-rl drafter trainer` to send rollouts to "
         "instead of training in this server (key: SGLANG_RL_COTRAIN_AUTHKEY)."
@@ -253,6 +257,9 @@ class RLServerArgs(ServerArgs):
                                                    or self.dp_size > 1):
             raise ValueError("--drafter-cotrain-train-in-gaps needs the server's own trainer process "
                              "(one scheduler, no --drafter-cotrain-trainer)")
+        if self.drafter_cotrain_gap_busy_share != 1 and not self.drafter_cotrain_train_in_gaps:
+            raise ValueError("--drafter-cotrain-gap-busy-share paces training while the server is busy, which "
+                             "only --drafter-cotrain-train-in-gaps tells the trainer")
         if self.tp_size > 1:
             check_tp_shapes(self.speculative_draft_model_path, self.tp_size)
         if self.drafter_cotrain_trainer:  # a trainer that does not answer stops the start, with the reason

@@ -37,9 +37,32 @@ def test_the_gate_gives_up_after_the_rounds_budget() -> None:
     assert gate.waited_s == 0.0
 
 
+def _compute_share(gate: IdleGate, steps: int, step_s: float) -> float:
+    """Share of the wall time spent in `steps` steps of `step_s` each, each after `gate.wait()`."""
+    start = time.perf_counter()
+    for _ in range(steps):
+        gate.wait()
+        time.sleep(step_s)  # the optimizer step
+    return steps * step_s / (time.perf_counter() - start)
+
+
+def test_busy_steps_are_paced_to_their_share_once_the_wait_is_spent() -> None:
+    busy = threading.Event()
+    assert _compute_share(IdleGate(busy, max_wait_s=0), 10, 0.02) > 0.8  # no limit: back to back
+    paced = IdleGate(busy, max_wait_s=0, busy_share=0.25)
+    assert _compute_share(paced, 10, 0.02) < 0.35  # a rest of 3x each step after the first
+    assert paced.waited_s >= 9 * 0.02 * 3
+    idle = threading.Event()
+    idle.set()
+    assert _compute_share(IdleGate(idle, max_wait_s=0, busy_share=0.25), 10, 0.02) > 0.8  # idle: no pacing
+
+
 def test_a_bad_wait_budget_is_refused(folders) -> None:  # noqa: F811
     with pytest.raises(ValueError, match="gap_max_wait_s must be >= 0"):
         config(folders, gap_max_wait_s=-1).check()
+    for share in (0, 1.5, True):
+        with pytest.raises(ValueError, match="gap_busy_share must be in"):
+            config(folders, gap_busy_share=share).check()
 
 
 def test_a_round_waits_while_the_server_is_busy(folders) -> None:  # noqa: F811

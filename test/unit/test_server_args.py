@@ -91,6 +91,10 @@ def test_training_in_gaps_needs_the_servers_own_trainer(tmp_path, other: dict) -
     assert config.train_in_gaps is True and config.gap_max_wait_s == 2.5
     with pytest.raises(ValueError, match="--drafter-cotrain-train-in-gaps needs the server's own trainer"):
         RLServerArgs(**common, drafter_cotrain_train_in_gaps=True, **other)
+    assert config_from_args(RLServerArgs(**common, drafter_cotrain_train_in_gaps=True,
+                                         drafter_cotrain_gap_busy_share=0.2)).gap_busy_share == 0.2
+    with pytest.raises(ValueError, match="only --drafter-cotrain-train-in-gaps tells the trainer"):
+        RLServerArgs(**common, drafter_cotrain_gap_busy_share=0.2)
 
 
 @pytest.mark.parametrize("change, reason", [

@@ -51,7 +51,7 @@ _TYPES = {"int": int, "float": float, "str": str, "Optional[int]": int, "Optiona
 
 
 # the folders have flags of their own; a shared trainer cannot see its servers' idle gaps
-_NOT_TRAINER_FLAGS = {"draft_path", "target_path", "train_in_gaps", "gap_max_wait_s"}
+_NOT_TRAINER_FLAGS = {"draft_path", "target_path", "train_in_gaps", "gap_max_wait_s", "gap_busy_share"}
 
 
 def _trainer_parser(sub) -> None:

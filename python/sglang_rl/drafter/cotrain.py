@@ -62,6 +62,7 @@ class CotrainConfig:
     seed: int = 0
     train_in_gaps: bool = False
     gap_max_wait_s: float = 10.0
+    gap_busy_share: float = 1.0
 
     def check(self) -> None:
         """Raise ValueError naming the first bad value."""
@@ -87,6 +88,9 @@ class CotrainConfig:
         if isinstance(self.gap_max_wait_s, bool) or not isinstance(self.gap_max_wait_s, (int, float)) \
                 or not self.gap_max_wait_s >= 0:
             raise ValueError(f"drafter co-training: gap_max_wait_s must be >= 0, got {self.gap_max_wait_s!r}")
+        if isinstance(self.gap_busy_share, bool) or not isinstance(self.gap_busy_share, (int, float)) \
+                or not 0 < self.gap_busy_share <= 1:
+            raise ValueError(f"drafter co-training: gap_busy_share must be in (0, 1], got {self.gap_busy_share!r}")
         try:
             LrSchedule.parse(self.lr_schedule)
         except ValueError as exc:
@@ -291,7 +295,7 @@ def cotrain_main(config: CotrainConfig, inbox: Any, outbox: Any, idle: Any = Non
     if config.threads > 0:
         torch.set_num_threads(config.threads)
     try:
-        gate = IdleGate(idle, config.gap_max_wait_s) if config.train_in_gaps and idle is not None else None
+        gate = IdleGate(idle, config.gap_max_wait_s, config.gap_busy_share) if config.train_in_gaps and idle is not None else None
         loop = CotrainLoop(config, gate)
     except Exception:  # noqa: BLE001 - reported to the server, which logs it and keeps serving
         outbox.put(("error", traceback.format_exc()))
