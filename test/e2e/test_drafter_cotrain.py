@@ -320,18 +320,20 @@ BAD_OPTIONS = [
 def refused_starts(model_path: str, tmp_path_factory) -> Iterator:
     """`launch_server`'s main with each set of bad options, all at once (forked by the suite's
     launcher fork server, which has imported sglang's launcher already)."""
-    env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", **e2e_env()}
+    env = {**SERVER_ENV, **e2e_env()}
     logs = tmp_path_factory.mktemp("refused-starts")
     fork = launcher_fork(SERVER_ENV)
-    launched = [(fork.launch(["--model-path", model_path, "--device", "cpu", *flags], env, str(logs / f"{i}.log")),
-                 logs / f"{i}.log") for i, (flags, _) in enumerate(BAD_OPTIONS)]
+    launched = {}
+    for i, (flags, _) in enumerate(BAD_OPTIONS):
+        log = logs / f"{i}.log"
+        launched[flags] = (fork.launch(["--model-path", model_path, "--device", "cpu", *flags], env, str(log)), log)
 
     def result(flags: tuple) -> tuple:
-        process, log = launched[[f for f, _ in BAD_OPTIONS].index(flags)]
+        process, log = launched[flags]
         return process.wait(timeout=300), log.read_text()
 
     yield result
-    for process, _ in launched:
+    for process, _ in launched.values():
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
 

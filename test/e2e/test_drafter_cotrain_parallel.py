@@ -6,10 +6,8 @@ rows of every round. (Start-up refusals of bad parallel options: test/unit/test_
 
 from __future__ import annotations
 
-import base64
 import json
 import os
-import pickle
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,6 +16,7 @@ import requests
 import torch
 
 from e2e_servers import EAGER, Prepared, Spec, server_fixture
+from test_draft_weight_update import payload
 from test_drafter_cotrain import init_drafter
 from test_drafter_cotrain_eagle3 import DRAFT_VOCAB, _eagle3_drafter
 
@@ -117,7 +116,6 @@ def test_tp_dp_server_cotrains_one_drafter(parallel_server) -> None:
     assert max(r["trainer_received"] for r in replicas) >= ROUND
 
 
-
 def _tp_ranks(url: str) -> list[dict]:
     ranks = _stats(url)["tp_ranks"]
     assert [t["tp_rank"] for t in ranks] == [0, 1] and all(not t["errors"] for t in ranks), ranks
@@ -130,7 +128,7 @@ def test_eagle3_tp_ranks_each_load_their_rows_of_the_drafters_head(eagle3_tp_ser
     # a head whose vocabulary halves differ: rank 0 holds ids 0..2047 of the draft vocabulary, rank 1 the rest
     head = torch.randn(DRAFT_VOCAB, hidden, generator=torch.Generator().manual_seed(3)) * 0.02
     head[DRAFT_VOCAB // 2:] += 0.01
-    body = base64.b64encode(pickle.dumps([("lm_head.weight", head)])).decode()
+    body = payload([("lm_head.weight", head)])
     pushed = requests.post(url + "/update_draft_weights_from_tensor", timeout=120,
                            json={"serialized_named_tensors": [body, body]})  # one payload per TP rank
     assert pushed.status_code == 200 and pushed.json()["success"], pushed.text

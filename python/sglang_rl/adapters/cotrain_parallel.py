@@ -207,8 +207,7 @@ def gather_tp_stats(scheduler: Any, runtime: Any) -> list[dict]:
     from sglang_rl.adapters.eagle_draft import draft_spec, find_eagle_draft
 
     eagle, _ = find_eagle_draft(getattr(scheduler, "draft_worker", None))
-    params = draft_spec(eagle)[1] if eagle is not None else {}
-    fc = params.get("fc.weight")
+    fc = draft_spec(eagle)[1].get("fc.weight") if eagle is not None else None
     mine = {"tp_rank": scheduler.ps.tp_rank, "rounds": runtime.draft_round,
             # fc is not sharded: every rank holding the same round holds the same fc
             "fc_checksum": None if fc is None else float(fc.detach().double().sum()),

@@ -295,7 +295,9 @@ def cotrain_main(config: CotrainConfig, inbox: Any, outbox: Any, idle: Any = Non
     if config.threads > 0:
         torch.set_num_threads(config.threads)
     try:
-        gate = IdleGate(idle, config.gap_max_wait_s, config.gap_busy_share) if config.train_in_gaps and idle is not None else None
+        gate = None
+        if config.train_in_gaps and idle is not None:
+            gate = IdleGate(idle, config.gap_max_wait_s, config.gap_busy_share)
         loop = CotrainLoop(config, gate)
     except Exception:  # noqa: BLE001 - reported to the server, which logs it and keeps serving
         outbox.put(("error", traceback.format_exc()))
