@@ -92,6 +92,10 @@ def base_kwargs(args: argparse.Namespace, gpu_id: int = 0, port: int = 0, graph_
                      base_gpu_id=gpu_id, cuda_graph_max_bs_decode=graph_bs, max_running_requests=graph_bs)
     if port:
         extra["port"] = port
+    if getattr(args, "tp_size", 1) > 1:
+        extra["tp_size"] = args.tp_size
+    if getattr(args, "dp_size", 1) > 1:
+        extra["dp_size"] = args.dp_size
     return engine_kwargs(args.model_path, False, not args.cpu, **extra)
 
 
@@ -661,6 +665,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-total-tokens", type=int, default=262144)
     p.add_argument("--port", type=int, default=0, help="Engine port (distinct for Engines run side by side)")
     p.add_argument("--gpu-id", type=int, default=0)
+    p.add_argument("--tp-size", type=int, default=1, help="tensor parallel ranks of the Engine (GPUs from --gpu-id)")
+    p.add_argument("--dp-size", type=int, default=1, help="data parallel replicas of the Engine, one trainer for all")
     # co-training
     p.add_argument("--arch", choices=["eagle", "eagle3"], default="eagle", help="drafter kind (EAGLE or EAGLE3)")
     p.add_argument("--draft-init", help="random-init drafter folder (made with sglang_rl.drafter init if missing)")
