@@ -135,6 +135,11 @@ def ratio(a: float, b: float) -> Optional[float]:
 # --- train ---------------------------------------------------------------------------------------
 
 
+def held_out_total(stats: dict, kind: str) -> int:
+    """Opted-out (held-out) ``tokens`` or ``verify_steps`` over every drafter version and replica."""
+    return sum(sum(r[f"held_out_{kind}"]) for r in stats.get("replicas", [stats]))
+
+
 class CotrainRun:
     """One co-training Engine and the measurements the train mode takes on it."""
 
@@ -157,8 +162,8 @@ class CotrainRun:
         outs = self.llm.generate(input_ids=self.held, sampling_params=self.sp, drafter_cotrain=False)
         seconds = time.perf_counter() - t
         after = self.stats()
-        tokens = after["held_out_tokens"][-1] - before["held_out_tokens"][-1]
-        steps = after["held_out_verify_steps"][-1] - before["held_out_verify_steps"][-1]
+        tokens = held_out_total(after, "tokens") - held_out_total(before, "tokens")
+        steps = held_out_total(after, "verify_steps") - held_out_total(before, "verify_steps")
         meta_tokens, meta_steps = spec_counts(outs)
         hist = merge_histograms(o["meta_info"].get("spec_correct_drafts_histogram") for o in outs)
         rates = position_accept_rates(hist, EAGLE["speculative_num_steps"])
@@ -298,8 +303,8 @@ def run_train(args: argparse.Namespace) -> dict:
 
         drift_named = drift_model_tensors(args.drift_model, args.model_path,
                                           torch.float32 if args.cpu else torch.bfloat16)
-    init_dir = ensure_init_drafter(args.model_path, Path(args.draft_init or out / f"drafter_init_{args.arch}"),
-                                   args.arch)
+    init_dir = ensure_init_drafter(args.model_path, Path(args.draft_init or out / f"drafter_init_{args.arch}_"
+                                                       f"{Path(args.model_path).name}"), args.arch)
     kw = base_kwargs(args, args.gpu_id, args.port, graph_bs=max(args.held_out, args.samples_per_round))
     kw.update(spec_for(args), speculative_draft_model_path=str(init_dir))
     kw.update(cotrain_kwargs(args.samples_per_round, args.steps, args.lr, args.samples_per_step, args.window,

@@ -7,8 +7,10 @@ which 2 ranks split), CUDA graphs on:
   tp2: one replica over 2 GPUs; both TP ranks load every round at the same scheduler iteration
   dp2: two replicas on one GPU each; one trainer, fed by both, every replica loads its rounds
 
-Greedy held-out outputs after the rounds must equal those before (the target verifies every
-draft token). With `-s` the tests print each case's statistics.
+Every greedy held-out token after the rounds must be the target's own top choice at its position
+(the target verifies every draft token). Outputs are not compared with those before the rounds: in
+bf16, a different number of accepted drafts changes the verify batch's shape and can flip near-ties.
+With `-s` the tests print each case's statistics.
 """
 
 from __future__ import annotations
@@ -46,15 +48,20 @@ def main():
     train = [[1000 + 17 * i + j for j in range(24)] for i in range(4 * round_size)]
     start = llm.get_drafter_cotrain_stats()
     before = [o["output_ids"] for o in llm.generate(input_ids=held, sampling_params=greedy, drafter_cotrain=False)]
-    for ids in train:  # one request at a time: DP dispatches requests, not a batch's parts
+    checked = dict(return_logprob=True, top_logprobs_num=1, drafter_cotrain=False)
+    for ids in train:  # one request each: DP's round robin alternates replicas
         llm.generate(input_ids=ids, sampling_params=greedy)
     deadline = time.time() + 90
     stats = llm.get_drafter_cotrain_stats()
     while time.time() < deadline and stats["rounds"] < 1 and not stats["errors"]:
         time.sleep(0.5)
         stats = llm.get_drafter_cotrain_stats()
-    after = [o["output_ids"] for o in llm.generate(input_ids=held, sampling_params=greedy, drafter_cotrain=False)]
-    print("RESULT " + json.dumps({"start": start, "stats": stats, "outputs_same": before == after}))
+    outs = llm.generate(input_ids=held, sampling_params=greedy, **checked)
+    gaps = [top[0][0] - chosen[0] for o in outs
+            for chosen, top in zip(o["meta_info"]["output_token_logprobs"], o["meta_info"]["output_top_logprobs"])]
+    same = sum(b == o["output_ids"] for b, o in zip(before, outs))
+    print("RESULT " + json.dumps({"start": start, "stats": stats, "greedy_gap": max(gaps), "positions": len(gaps),
+                                  "tokens": sum(len(o["output_ids"]) for o in outs), "outputs_same": same}))
     llm.shutdown()
 
 if __name__ == "__main__":
@@ -86,6 +93,12 @@ def _run(work: Path, layout: dict) -> dict:
     return result
 
 
+def assert_greedy(result: dict) -> None:
+    assert result["positions"] == result["tokens"] > 0, "every held-out token must carry its logprobs"
+    assert result["greedy_gap"] <= 1e-3, \
+        f"a token after the rounds is {result['greedy_gap']:.4f} nats below the target's top choice"
+
+
 def test_tp2_ranks_swap_each_round_together(work: Path) -> None:
     result = _run(work, {"tp_size": 2})
     stats, start = result["stats"], result["start"]
@@ -98,7 +111,7 @@ def test_tp2_ranks_swap_each_round_together(work: Path) -> None:
         f"TP ranks swapped at different scheduler iterations: {ranks}"
     assert ranks[0]["fc_checksum"] == ranks[1]["fc_checksum"] != ranks0[0]["fc_checksum"], \
         f"both TP ranks must hold the new round's (unsharded) fc weight: {ranks} (at start {ranks0})"
-    assert result["outputs_same"], "greedy held-out outputs changed after a round"
+    assert_greedy(result)
 
 
 def test_dp2_replicas_share_one_trainer(work: Path) -> None:
@@ -109,4 +122,4 @@ def test_dp2_replicas_share_one_trainer(work: Path) -> None:
     assert all(r["samples"] > 0 for r in stats["replicas"]), \
         f"both replicas must feed the trainer: {[r['samples'] for r in stats['replicas']]}"
     assert stats["samples"] == sum(r["samples"] for r in stats["replicas"])
-    assert result["outputs_same"], "greedy held-out outputs changed after a round"
+    assert_greedy(result)
