@@ -309,6 +309,7 @@ def run_train(args: argparse.Namespace) -> dict:
     kw.update(spec_for(args), speculative_draft_model_path=str(init_dir))
     kw.update(cotrain_kwargs(args.samples_per_round, args.steps, args.lr, args.samples_per_step, args.window,
                              args.soft_topk, args.cotrain_device, args.threads, unroll_steps=args.unroll_steps,
+                             feature_noise=args.feature_noise,
                              replay_samples=args.replay_samples, lr_schedule=args.lr_schedule,
                              train_dtype=args.train_dtype))
     llm = sgl.Engine(**kw)
@@ -394,8 +395,8 @@ def run_train(args: argparse.Namespace) -> dict:
             "config": {k: getattr(args, k) for k in ("samples_per_round", "steps", "lr", "samples_per_step", "window",
                                                        "soft_topk", "cotrain_device", "held_out", "max_new_tokens",
                                                        "rollouts", "drift_sigma", "drift_model", "drift_rounds",
-                                                       "unroll_steps", "replay_samples", "lr_schedule", "train_dtype",
-                                                       "seed", "arch")},
+                                                       "unroll_steps", "feature_noise", "replay_samples", "lr_schedule",
+                                                       "train_dtype", "tp_size", "dp_size", "seed", "arch")},
             "train_prompts": len(train), "note": note, "drafter_saved": saved, "drift": drift,
             "training_traffic_tok_s": round(run.train_tokens / run.train_seconds, 1) if run.train_seconds else None,
             "records": records, "final_stats": final}
@@ -558,6 +559,7 @@ def report(out: Path) -> None:
         c = t["config"]
         print(f"\n## train `{t['tag']}`: unroll {c.get('unroll_steps', 1)}, replay {c.get('replay_samples', 0)}, "
               f"lr schedule {c.get('lr_schedule')}, train dtype {c.get('train_dtype', 'float32')}, "
+              f"feature noise {c.get('feature_noise') or 0}, tp {c.get('tp_size') or 1}, dp {c.get('dp_size') or 1}, "
               f"samples/round {c['samples_per_round']}, steps {c['steps']}, lr {c['lr']}, "
               f"samples/step {c['samples_per_step']}, window {c['window']}, soft_topk {c['soft_topk']}, "
               f"held-out prompts {c['held_out']}, max_new_tokens {c['max_new_tokens']}; startup {t['startup_s']}s, "
@@ -687,6 +689,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cotrain-device", default=None)
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--unroll-steps", type=int, default=None, help="draft steps trained on the drafter's own rows")
+    p.add_argument("--feature-noise", type=float, default=None, help="U(-a, a) x row mean |value| on the rows the drafter reads in training")
     p.add_argument("--replay-samples", type=int, default=None, help="older samples replayed per round")
     p.add_argument("--lr-schedule", default=None, help="e.g. warmup=1,cosine=16,floor=0.1")
     p.add_argument("--train-dtype", default=None, help="bfloat16: autocast training (GPU)")

@@ -101,6 +101,10 @@ class RLServerArgs(ServerArgs):
     drafter_cotrain_unroll_steps: A[
         int, "sglang-rl: draft steps trained on the drafter's own rows (1: teacher forcing only)."
     ] = 1
+    drafter_cotrain_feature_noise: A[
+        float, "sglang-rl: uniform noise U(-a, a) times each row's mean absolute value, added to the "
+        "target rows the drafter reads while training (EAGLE's feature noise; 0: none)."
+    ] = 0.0
     drafter_cotrain_replay_samples: A[
         int, "sglang-rl: older samples replayed per round from the whole buffer (newer policies more often)."
     ] = 0

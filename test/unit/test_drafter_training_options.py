@@ -75,6 +75,7 @@ def test_rounds_replay_older_samples_after_the_fresh_ones(folders) -> None:  # n
 @pytest.mark.parametrize(("field", "value", "reason"), [
     ("unroll_steps", 0, "unroll_steps"), ("unroll_steps", 9, "unroll_steps"), ("unroll_steps", True, "unroll_steps"),
     ("replay_samples", -1, "replay_samples"), ("replay_decay", 0.0, "replay_decay"),
+    ("feature_noise", -0.1, "feature_noise"), ("feature_noise", True, "feature_noise"),
     ("lr_schedule", "warmup=soon", "lr schedule"), ("train_dtype", "int8", "dtype"),
 ])
 def test_bad_training_options_are_refused(folders, field: str, value, reason: str) -> None:  # noqa: F811
@@ -105,3 +106,43 @@ def test_position_accept_rates_from_sglang_histograms() -> None:
     assert position_accept_rates([5], 3) == [0.0, None, None] and tokens_per_step([]) is None
     with pytest.raises(ValueError):
         position_accept_rates([1, -1], 2)
+
+
+def _rows_read(trainer: DrafterTrainer, steps: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The rows the drafter's forward got in each of ``steps`` training steps, and the clean ones."""
+    seen: list[torch.Tensor] = []
+    forward = trainer.model.forward
+    trainer.model.forward = lambda ids, rows, *rest, **kw: (seen.append(rows.detach().clone()),
+                                                             forward(ids, rows, *rest, **kw))[1]
+    batches = trainer.as_batches(rollout_samples(2))
+    trainer.train_steps(batches, steps)
+    return seen, [batches[i % len(batches)].hidden_states for i in range(steps)]
+
+
+def test_feature_noise_perturbs_the_rows_read_within_its_bound_and_not_the_targets() -> None:
+    seen, clean = _rows_read(DrafterTrainer(tiny_drafter(), lr=1e-3, feature_noise=0.2, seed=3), 3)
+    gaps = [(s - c) / c.abs().mean(dim=-1, keepdim=True) for s, c in zip(seen, clean)]
+    assert all(g.abs().max() <= 0.2 + 1e-5 and g.abs().mean() > 0.05 for g in gaps), \
+        "U(-0.2, 0.2) x each row's mean absolute value"
+    assert not torch.equal(gaps[0], gaps[1]), "a fresh draw every step"
+    seen0, clean0 = _rows_read(DrafterTrainer(tiny_drafter(), lr=1e-3), 3)
+    assert all(torch.equal(s, c) for s, c in zip(seen0, clean0)), "no noise by default"
+    # the loss targets are the clean next rows: the same batches train to the same targets either way
+    noisy = DrafterTrainer(tiny_drafter(), lr=1e-3, feature_noise=0.2)
+    batch = noisy.as_batches(rollout_samples(2))[0]
+    target = batch.target.clone()
+    noisy.train_steps([batch], 2)
+    assert torch.equal(batch.target, target) and torch.equal(noisy._noisy(batch).target, target)
+
+
+def test_feature_noise_is_checked() -> None:
+    with pytest.raises(ValueError, match="feature_noise"):
+        DrafterTrainer(tiny_drafter(), feature_noise=-0.1)
+
+
+def test_rounds_train_with_the_configured_feature_noise(folders) -> None:  # noqa: F811
+    loop = CotrainLoop(config(folders, feature_noise=0.05))
+    assert loop.trainer.feature_noise == 0.05
+    for i in range(4):
+        loop.add(sample(seed=i))
+    assert loop.train_round()[1]["loss"] > 0

@@ -133,3 +133,18 @@ def test_specforge_export_needs_an_eagle3_target(algorithm) -> None:
     """SpecForge's offline records hold the auxiliary layers only an EAGLE3 target captures."""
     with pytest.raises(ValueError, match="--specforge-export-dir needs --speculative-algorithm EAGLE3"):
         RLServerArgs(model_path="unused", speculative_algorithm=algorithm, specforge_export_dir="/tmp/unused")
+
+
+def test_feature_noise_flag_reaches_the_trainer_config(tmp_path) -> None:
+    from sglang_rl.adapters.cotrain_config import config_from_args
+    from sglang_rl.drafter import init_drafter, save_drafter
+    from test_drafter_checkpoint import write_target
+
+    target = write_target(tmp_path / "target")
+    save_drafter(init_drafter(target, seed=0), tmp_path / "draft")
+    common = dict(model_path=str(target), speculative_algorithm="EAGLE", drafter_cotrain=True,
+                  speculative_draft_model_path=str(tmp_path / "draft"), device="cpu")
+    assert config_from_args(RLServerArgs(**common, drafter_cotrain_feature_noise=0.1)).feature_noise == 0.1
+    assert config_from_args(RLServerArgs(**common)).feature_noise == 0.0
+    with pytest.raises(ValueError, match="feature_noise must be in"):
+        config_from_args(RLServerArgs(**common, drafter_cotrain_feature_noise=-1.0))

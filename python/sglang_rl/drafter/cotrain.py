@@ -56,6 +56,7 @@ class CotrainConfig:
     train_dtype: str = "float32"
     threads: int = 0
     unroll_steps: int = 1
+    feature_noise: float = 0.0
     replay_samples: int = 0
     replay_decay: float = 0.5
     lr_schedule: Optional[str] = None
@@ -81,6 +82,9 @@ class CotrainConfig:
             dtype_from_name(getattr(self, name))
         if isinstance(self.unroll_steps, bool) or not isinstance(self.unroll_steps, int) or not 1 <= self.unroll_steps <= 8:
             raise ValueError(f"drafter co-training: unroll_steps must be an integer in 1..8, got {self.unroll_steps!r}")
+        if isinstance(self.feature_noise, bool) or not isinstance(self.feature_noise, (int, float)) \
+                or not 0 <= self.feature_noise < 100:
+            raise ValueError(f"drafter co-training: feature_noise must be in [0, 100), got {self.feature_noise!r}")
         if isinstance(self.replay_samples, bool) or not isinstance(self.replay_samples, int) or self.replay_samples < 0:
             raise ValueError(f"drafter co-training: replay_samples must be >= 0, got {self.replay_samples!r}")
         if not (isinstance(self.replay_decay, (int, float)) and 0 < self.replay_decay <= 1):
@@ -148,7 +152,7 @@ class CotrainLoop:
             model.to(device), lr=config.lr, window=config.window,
             loss=EagleLossConfig(soft_topk=config.soft_topk), unroll_steps=config.unroll_steps,
             lr_factor=None if schedule.constant else (lambda step: schedule.factor(step / per_round)),
-            autocast_dtype=dtype_from_name(config.train_dtype))
+            autocast_dtype=dtype_from_name(config.train_dtype), feature_noise=config.feature_noise, seed=config.seed)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.buffer = HiddenStateReplayBuffer(config.buffer_bytes)
         self.fresh = 0

@@ -91,19 +91,27 @@ class DrafterTrainer:
         unroll_decay: float = 0.8,
         lr_factor: Callable[[int], float] | None = None,
         autocast_dtype: torch.dtype | None = None,
+        feature_noise: float = 0.0,
+        seed: int = 0,
     ) -> None:
         """``full_vocab_metrics``: with a reduced soft vocabulary, still take the prediction's
         argmax over the full vocabulary for ``top1_agreement`` (one extra no-grad head product).
         ``unroll_steps``: train draft steps ``1..k`` on the drafter's own rows (``unroll.py``), the
         loss of step ``j`` weighted ``unroll_decay ** (j - 1)``; 1 is plain teacher forcing.
         ``lr_factor(step)``: multiplier of ``lr`` for optimizer step ``step`` (1-based).
-        ``autocast_dtype``: mixed precision (weights and optimizer stay in their own dtype)."""
+        ``autocast_dtype``: mixed precision (weights and optimizer stay in their own dtype).
+        ``feature_noise``: while training, add U(-a, a) times each row's mean absolute value to the
+        target rows the drafter reads (not to the rows it predicts): EAGLE's guard against its own
+        feature errors, made independent of the target's row scale; ``seed`` seeds it."""
         if isinstance(unroll_steps, bool) or not isinstance(unroll_steps, int) or unroll_steps < 1:
             raise ValueError(f"unroll_steps must be a positive integer, got {unroll_steps!r}")
         if not 0 < unroll_decay <= 1:
             raise ValueError(f"unroll_decay must be in (0, 1], got {unroll_decay!r}")
+        if isinstance(feature_noise, bool) or not isinstance(feature_noise, (int, float)) or not feature_noise >= 0:
+            raise ValueError(f"feature_noise must be >= 0, got {feature_noise!r}")
         self.unroll_steps = unroll_steps
         self.unroll_decay = unroll_decay
+        self.feature_noise = float(feature_noise)
         self.lr_factor = lr_factor
         self.autocast_dtype = autocast_dtype
         self.base_lr = lr
@@ -116,6 +124,7 @@ class DrafterTrainer:
         params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
         self.steps_done = 0
+        self._noise = torch.Generator(device=self.device).manual_seed(seed) if self.feature_noise else None
 
     @property
     def device(self) -> torch.device:
@@ -169,6 +178,15 @@ class DrafterTrainer:
         """(loss output, top1_agreement) of one step's output under the pair weights ``mask``."""
         return self.objective.step_loss(pred, batch, mask, soft)
 
+    def _noisy(self, batch: PreparedBatch) -> PreparedBatch:
+        """``batch`` with U(-a, a) x |row| mean added to the rows the drafter reads (fresh per step)."""
+        if self._noise is None:
+            return batch
+        rows = batch.hidden_states
+        noise = torch.rand(rows.shape, generator=self._noise, device=rows.device, dtype=torch.float32)
+        scale = rows.float().abs().mean(dim=-1, keepdim=True) * self.feature_noise
+        return replace(batch, hidden_states=rows + ((2 * noise - 1) * scale).to(rows.dtype))
+
     def _forward_loss(self, batch: PreparedBatch):
         """(loss output, step-1 agreement, agreement per unrolled step)."""
         with self._autocast():
@@ -216,7 +234,7 @@ class DrafterTrainer:
             if self.lr_factor is not None:
                 for group in self.optimizer.param_groups:
                     group["lr"] = self.base_lr * self.lr_factor(self.steps_done + 1)
-            out, agreement, per_step = self._forward_loss(batch)
+            out, agreement, per_step = self._forward_loss(self._noisy(batch))
             skipped = out.num_tokens == 0
             grad_norm = 0.0
             if not skipped:
