@@ -92,9 +92,9 @@ def base_kwargs(args: argparse.Namespace, gpu_id: int = 0, port: int = 0, graph_
                      base_gpu_id=gpu_id, cuda_graph_max_bs_decode=graph_bs, max_running_requests=graph_bs)
     if port:
         extra["port"] = port
-    if getattr(args, "tp_size", 1) > 1:
+    if args.tp_size > 1:
         extra["tp_size"] = args.tp_size
-    if getattr(args, "dp_size", 1) > 1:
+    if args.dp_size > 1:
         extra["dp_size"] = args.dp_size
     return engine_kwargs(args.model_path, False, not args.cpu, **extra)
 

@@ -74,16 +74,21 @@ def test_a_dummy_load_format_warns_that_the_draft_is_random(tmp_path, caplog, dr
     assert ("the draft is random" in caplog.text) is warned, caplog.text
 
 
-@pytest.mark.parametrize("other", [{"drafter_cotrain_trainer": "127.0.0.1:1"}, {"dp_size": 2}])
-def test_training_in_gaps_needs_the_servers_own_trainer(tmp_path, other: dict) -> None:
-    """The idle signal reaches only a trainer process this scheduler started itself."""
+def _cotrain_args(tmp_path) -> dict:
+    """ServerArgs keywords of a CPU co-training server over a tiny target and its drafter."""
     from sglang_rl.drafter import init_drafter, save_drafter
     from test_drafter_checkpoint import write_target
 
     target = write_target(tmp_path / "target")
     save_drafter(init_drafter(target, seed=0), tmp_path / "draft")
-    common = dict(model_path=str(target), speculative_algorithm="EAGLE", drafter_cotrain=True,
-                  speculative_draft_model_path=str(tmp_path / "draft"), device="cpu")
+    return dict(model_path=str(target), speculative_algorithm="EAGLE", drafter_cotrain=True,
+                speculative_draft_model_path=str(tmp_path / "draft"), device="cpu")
+
+
+@pytest.mark.parametrize("other", [{"drafter_cotrain_trainer": "127.0.0.1:1"}, {"dp_size": 2}])
+def test_training_in_gaps_needs_the_servers_own_trainer(tmp_path, other: dict) -> None:
+    """The idle signal reaches only a trainer process this scheduler started itself."""
+    common = _cotrain_args(tmp_path)
     args = RLServerArgs(**common, drafter_cotrain_train_in_gaps=True, drafter_cotrain_gap_max_wait_s=2.5)
     from sglang_rl.adapters.cotrain_config import config_from_args
 
@@ -137,13 +142,8 @@ def test_specforge_export_needs_an_eagle3_target(algorithm) -> None:
 
 def test_feature_noise_flag_reaches_the_trainer_config(tmp_path) -> None:
     from sglang_rl.adapters.cotrain_config import config_from_args
-    from sglang_rl.drafter import init_drafter, save_drafter
-    from test_drafter_checkpoint import write_target
 
-    target = write_target(tmp_path / "target")
-    save_drafter(init_drafter(target, seed=0), tmp_path / "draft")
-    common = dict(model_path=str(target), speculative_algorithm="EAGLE", drafter_cotrain=True,
-                  speculative_draft_model_path=str(tmp_path / "draft"), device="cpu")
+    common = _cotrain_args(tmp_path)
     assert config_from_args(RLServerArgs(**common, drafter_cotrain_feature_noise=0.1)).feature_noise == 0.1
     assert config_from_args(RLServerArgs(**common)).feature_noise == 0.0
     with pytest.raises(ValueError, match="feature_noise must be in"):
