@@ -136,8 +136,9 @@ def ratio(a: float, b: float) -> Optional[float]:
 
 
 def held_out_total(stats: dict, kind: str) -> int:
-    """Opted-out (held-out) ``tokens`` or ``verify_steps`` over every drafter version and replica."""
-    return sum(sum(r[f"held_out_{kind}"]) for r in stats.get("replicas", [stats]))
+    """Opted-out (held-out) ``tokens`` or ``verify_steps`` over every drafter version (and, on a DP
+    server, every replica: its statistics carry that total)."""
+    return stats[f"held_out_{kind}_total"] if "replicas" in stats else sum(stats[f"held_out_{kind}"])
 
 
 class CotrainRun:
