@@ -443,7 +443,8 @@ def run_speed_config(args: argparse.Namespace, name: str) -> dict:
                                  args.samples_per_step, args.window, 64 if on_cpu else args.soft_topk,
                                  device, 4 if on_cpu else 0,
                                  train_in_gaps=name in ("cotrain-gaps", "cotrain-optout") or None,
-                                 gap_busy_share=args.cost_busy_share if name == "cotrain-gaps" else None))
+                                 gap_busy_share=args.cost_busy_share if name == "cotrain-gaps" else None,
+                                 gap_max_wait_s=args.cost_gap_max_wait_s if name == "cotrain-gaps" else None))
     llm = sgl.Engine(**kw)
     startup = time.time() - start
     sp = {"max_new_tokens": args.max_new_tokens, "temperature": 0}
@@ -727,6 +728,9 @@ def parser() -> argparse.ArgumentParser:
                         "(drafter_cotrain false) once the trainer is idle, in the same Engine; reports on/off")
     p.add_argument("--cost-busy-share", type=float, default=None,
                    help="cotrain-gaps: --drafter-cotrain-gap-busy-share (default: the server's, 1)")
+    p.add_argument("--cost-gap-max-wait-s", type=float, default=None,
+                   help="cotrain-gaps: --drafter-cotrain-gap-max-wait-s (default: the server's, 10); "
+                        "larger than the run: train only while the server is idle")
     p.add_argument("--png", default="docs/cotrain_acceptance.png")
     return p
 
