@@ -441,7 +441,7 @@ def run_speed_config(args: argparse.Namespace, name: str) -> dict:
         on_cpu = device == "cpu"
         kw.update(cotrain_kwargs(args.cost_samples_per_round, 1 if on_cpu else args.cost_steps, args.cost_lr,
                                  args.samples_per_step, args.window, 64 if on_cpu else args.soft_topk,
-                                 device, 4 if on_cpu else 0,
+                                 device, 4 if on_cpu else args.cost_threads,
                                  train_in_gaps=name in ("cotrain-gaps", "cotrain-optout") or None,
                                  gap_busy_share=args.cost_busy_share if name == "cotrain-gaps" else None,
                                  gap_max_wait_s=args.cost_gap_max_wait_s if name == "cotrain-gaps" else None))
@@ -474,18 +474,21 @@ def run_speed_config(args: argparse.Namespace, name: str) -> dict:
             offs.append(timed_groups(llm, groups, sp, pause_s=args.cost_pause_s, **opt_out))
         windows.append(timed_groups(llm, groups, sp, pause_s=args.cost_pause_s, **fields))
     median = sorted(windows, key=lambda w: w["tok_s"])[len(windows) // 2]
-    result["cost"] = {**median, "pause_s": args.cost_pause_s, "window_tok_s": [w["tok_s"] for w in windows]}
+    result["cost"] = {**median, "pause_s": args.cost_pause_s, "window_tok_s": [w["tok_s"] for w in windows],
+                      "window_group_seconds": [w["group_seconds"] for w in windows]}
     if paired:
         ratios = [ratio(on["tok_s"], off["tok_s"]) for off, on in zip(offs, windows)]
         result["cost"].update(off_window_tok_s=[w["tok_s"] for w in offs], paired_ratios=ratios,
-                              paired_median=sorted(ratios)[len(ratios) // 2])
+                              paired_median=sorted(ratios)[len(ratios) // 2],
+                              off_window_group_seconds=[w["group_seconds"] for w in offs])
     if cotrain:
         after = llm.get_drafter_cotrain_stats()
         done = after["rounds"] - before["rounds"]
         result["cost"].update(rounds_in_window=done,
                               round_seconds_in_window=round(sum(after["round_seconds"][before["rounds"]:]), 2),
                               samples_in_window=after["samples"] - before["samples"], errors=after["errors"],
-                              gap_wait_s_in_window=round(sum(after.get("round_gap_wait_s", [])[before["rounds"]:]), 2))
+                              gap_wait_s_in_window=round(sum(after.get("round_gap_wait_s", [])[before["rounds"]:]), 2),
+                              swap_s_in_window=round(sum(after["round_swap_seconds"][before["rounds"]:]), 3))
         time.sleep(args.cost_drain_s)  # let pending rounds land, for the record only
         result["cotrain_stats_end"] = llm.get_drafter_cotrain_stats()
     llm.shutdown()
@@ -616,13 +619,14 @@ def report(out: Path) -> None:
                          "vs_spec": ratio(c["tok_s"], ref) if ref else "", "acceptance": c["acceptance"],
                          "rounds_in_window": c.get("rounds_in_window", ""),
                          "train_s_in_window": c.get("round_seconds_in_window", ""),
-                         "gap_wait_s": c.get("gap_wait_s_in_window", ""), "pause_s": c.get("pause_s", 0),
+                         "gap_wait_s": c.get("gap_wait_s_in_window", ""), "swap_s": c.get("swap_s_in_window", ""),
+                         "pause_s": c.get("pause_s", 0),
                          "windows": "/".join(f"{x:.0f}" for x in c.get("window_tok_s", [])),
                          "opted_out_windows": "/".join(f"{x:.0f}" for x in c.get("off_window_tok_s", [])),
                          "vs_opted_out": c.get("paired_median", "")})
         print("\n## rollout workload (GSM8K training prompts in groups of --cost-batch): co-training's cost")
         print_table(rows, ["config", "requests", "tokens", "tok_s", "vs_spec", "acceptance", "rounds_in_window",
-                           "train_s_in_window", "gap_wait_s", "pause_s", "windows", "opted_out_windows",
+                           "train_s_in_window", "gap_wait_s", "swap_s", "pause_s", "windows", "opted_out_windows",
                            "vs_opted_out"])
 
 
@@ -728,6 +732,8 @@ def parser() -> argparse.ArgumentParser:
                         "(drafter_cotrain false) once the trainer is idle, in the same Engine; reports on/off")
     p.add_argument("--cost-busy-share", type=float, default=None,
                    help="cotrain-gaps: --drafter-cotrain-gap-busy-share (default: the server's, 1)")
+    p.add_argument("--cost-threads", type=int, default=0,
+                   help="co-training configs on a GPU: --drafter-cotrain-threads of the trainer (0: torch's default)")
     p.add_argument("--cost-gap-max-wait-s", type=float, default=None,
                    help="cotrain-gaps: --drafter-cotrain-gap-max-wait-s (default: the server's, 10); "
                         "larger than the run: train only while the server is idle")

@@ -132,6 +132,9 @@ def test_cotraining_raises_held_out_acceptance(cotrain_server: Server, toploc_se
     assert trained["samples"] >= TRAIN_PROMPTS  # and sglang's start-up warm-up request
     assert trained["rounds"] >= TRAIN_PROMPTS // ROUND
     assert len(trained["loss"]) == trained["rounds"] and all(v > 0 for v in trained["loss"])
+    # each swap paused the scheduler for a load of a few small tensors, not for a round's training
+    swaps = trained["round_swap_seconds"]
+    assert len(swaps) == trained["rounds"] and all(0 < s < min(trained["round_seconds"]) for s in swaps), trained
     assert len(trained["acceptance_length"]) == trained["rounds"] + 1
     acc1, messages1 = held_out(url, prompts)
     ids1 = [m["output_ids"] for m in messages1]

@@ -276,6 +276,7 @@ class CotrainRuntime:
             "loss": [r["loss"] for r in self.rounds],
             "top1_agreement": [r["top1_agreement"] for r in self.rounds],
             "round_seconds": [r["seconds"] for r in self.rounds],
+            "round_swap_seconds": [r["applied_seconds"] for r in self.rounds],
             **({"round_gap_wait_s": [r.get("gap_wait_s", 0.0) for r in self.rounds]} if self.idle is not None else {}),
             "round_policy_version": [r["policy_version"] for r in self.rounds],
             "acceptance_length": [a.length for a in self.acceptance],
