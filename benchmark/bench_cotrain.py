@@ -191,7 +191,7 @@ class CotrainRun:
         sent_extra = 0
         while True:
             s = self.stats()
-            if s["rounds"] >= target_round:
+            if trained_rounds(s) >= target_round:
                 return s
             if len(s["errors"]) > self.errors_seen:
                 self.errors_seen = len(s["errors"])
@@ -207,6 +207,11 @@ class CotrainRun:
             self.llm.generate(input_ids=[self.train[0][:8]], sampling_params={"max_new_tokens": 1},
                               drafter_cotrain=False)
             time.sleep(0.2)
+
+
+def trained_rounds(stats: dict) -> int:
+    """Rounds the trainer finished: those loaded and those its swap check held."""
+    return stats["rounds"] + stats.get("rounds_held", 0)
 
 
 def perturbed_mlp(model_path: str, sigma: float, seed: int) -> list[tuple[str, Any]]:
@@ -312,7 +317,7 @@ def run_train(args: argparse.Namespace) -> dict:
                              args.soft_topk, args.cotrain_device, args.threads, unroll_steps=args.unroll_steps,
                              feature_noise=args.feature_noise,
                              replay_samples=args.replay_samples, lr_schedule=args.lr_schedule,
-                             train_dtype=args.train_dtype))
+                             train_dtype=args.train_dtype, swap_check_samples=args.swap_check_samples))
     llm = sgl.Engine(**kw)
     startup = time.time() - start
     run = CotrainRun(args, llm, train, held)
@@ -320,10 +325,12 @@ def run_train(args: argparse.Namespace) -> dict:
     records: list[dict] = []
 
     def record(phase: str, rnd: int, s: dict, ev: dict) -> None:
+        # the newest loaded round's (with a swap check, held rounds are not loaded)
+        newest = (lambda key: s[key][-1] if rnd and s[key] else None)
         row = {"phase": phase, "round": rnd, "rollouts": s["samples"], "policy_version": s["policy_version"],
-               "loss": s["loss"][rnd - 1] if rnd and len(s["loss"]) >= rnd else None,
-               "top1_agreement": s["top1_agreement"][rnd - 1] if rnd and len(s["top1_agreement"]) >= rnd else None,
-               "round_seconds": s["round_seconds"][rnd - 1] if rnd and len(s["round_seconds"]) >= rnd else None,
+               "loss": newest("loss"), "top1_agreement": newest("top1_agreement"),
+               "round_seconds": newest("round_seconds"), "rounds_loaded": s["rounds"],
+               "swap_check": s["swap_checks"][-1] if s.get("swap_checks") else None,
                "elapsed_s": round(time.time() - start, 1), **ev}
         records.append(row)
         print(f"[{phase}] round {rnd} rollouts {row['rollouts']} held-out acceptance {row['held_out_acceptance']} "
@@ -349,7 +356,7 @@ def run_train(args: argparse.Namespace) -> dict:
         if s is None:
             note = f"round {rnd + 1} did not land within {args.round_timeout}s"
             break
-        rnd = s["rounds"]
+        rnd = trained_rounds(s)
         record("train", rnd, s, run.held_out())
         round_walls.append(time.time() - t)
     print(note or f"trained {rnd} rounds", flush=True)
@@ -383,7 +390,7 @@ def run_train(args: argparse.Namespace) -> dict:
             if s is None:
                 drift["note"] = f"drift round {k} did not land"
                 break
-            rnd = s["rounds"]
+            rnd = trained_rounds(s)
             record("after-drift", rnd, s, run.held_out())
     final = run.stats()
     llm.shutdown()
@@ -397,7 +404,8 @@ def run_train(args: argparse.Namespace) -> dict:
                                                        "soft_topk", "cotrain_device", "held_out", "max_new_tokens",
                                                        "rollouts", "drift_sigma", "drift_model", "drift_rounds",
                                                        "unroll_steps", "feature_noise", "replay_samples", "lr_schedule",
-                                                       "train_dtype", "tp_size", "dp_size", "seed", "arch")},
+                                                       "train_dtype", "tp_size", "dp_size", "seed", "arch",
+                                                       "swap_check_samples")},
             "train_prompts": len(train), "note": note, "drafter_saved": saved, "drift": drift,
             "training_traffic_tok_s": round(run.train_tokens / run.train_seconds, 1) if run.train_seconds else None,
             "records": records, "final_stats": final}
@@ -565,6 +573,7 @@ def report(out: Path) -> None:
         print(f"\n## train `{t['tag']}`: unroll {c.get('unroll_steps', 1)}, replay {c.get('replay_samples', 0)}, "
               f"lr schedule {c.get('lr_schedule')}, train dtype {c.get('train_dtype', 'float32')}, "
               f"feature noise {c.get('feature_noise') or 0}, tp {c.get('tp_size') or 1}, dp {c.get('dp_size') or 1}, "
+              f"swap check {c.get('swap_check_samples') or 0}, "
               f"samples/round {c['samples_per_round']}, steps {c['steps']}, lr {c['lr']}, "
               f"samples/step {c['samples_per_step']}, window {c['window']}, soft_topk {c['soft_topk']}, "
               f"held-out prompts {c['held_out']}, max_new_tokens {c['max_new_tokens']}; startup {t['startup_s']}s, "
@@ -579,9 +588,13 @@ def report(out: Path) -> None:
                          "loss": f"{r['loss']:.3f}" if r["loss"] is not None else "",
                          "top1": f"{r['top1_agreement']:.3f}" if r["top1_agreement"] is not None else "",
                          "round_s": f"{r['round_seconds']:.2f}" if r["round_seconds"] is not None else "",
-                         "same_ids": r.get("held_out_same_tokens_as_round0", "")})
+                         "same_ids": r.get("held_out_same_tokens_as_round0", ""),
+                         "loaded": r.get("rounds_loaded", r["round"]),
+                         "check": "" if not r.get("swap_check") else
+                         "{trained:.3f} vs {served:.3f}".format(**r["swap_check"])})
+        checked = any(r.get("swap_check") for r in t["records"])
         print_table(rows, ["phase", "round", "rollouts", "policy", "held_out_acc", "pos_accept", "held_out_tokens",
-                           "loss", "top1", "round_s", "same_ids"])
+                           "loss", "top1", "round_s", "same_ids"] + (["loaded", "check"] if checked else []))
         if t["drift"]:
             d = t["drift"]
             pre = [r for r in t["records"] if r["phase"] == "train"][-1]["held_out_acceptance"]
@@ -696,6 +709,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--unroll-steps", type=int, default=None, help="draft steps trained on the drafter's own rows")
     p.add_argument("--feature-noise", type=float, default=None, help="U(-a, a) x row mean |value| on the rows the drafter reads in training")
+    p.add_argument("--swap-check-samples", type=int, default=None,
+                   help="hold back each round's N newest rollouts; load the round only if it scores at least as well")
     p.add_argument("--replay-samples", type=int, default=None, help="older samples replayed per round")
     p.add_argument("--lr-schedule", default=None, help="e.g. warmup=1,cosine=16,floor=0.1")
     p.add_argument("--train-dtype", default=None, help="bfloat16: autocast training (GPU)")

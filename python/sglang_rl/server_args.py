@@ -125,6 +125,10 @@ class RLServerArgs(ServerArgs):
         float, "sglang-rl: with --drafter-cotrain-train-in-gaps, the share of time (0-1] a round's optimizer "
         "steps may compute while this server is busy once the round has waited its most (1: no limit)."
     ] = 1.0
+    drafter_cotrain_swap_check_samples: A[
+        int, "sglang-rl: hold back each round's N newest rollouts from its training and swap the trained "
+        "drafter in only if it agrees with the target on them at least as well as the served one (0: swap every round)."
+    ] = 0
     drafter_cotrain_trainer: A[
         Optional[str], "sglang-rl: HOST:PORT of a shared `sglang-rl drafter trainer` to send rollouts to "
         "instead of training in this server (key: SGLANG_RL_COTRAIN_AUTHKEY)."

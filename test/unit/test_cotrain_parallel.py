@@ -39,7 +39,8 @@ def _replica(dp_rank: int, rounds: int, samples: int, tokens: list, steps: list)
             "samples_skipped_busy": 0, "rows_sent": 10 * samples, "target_head_updates": 0,
             "policy_version": dp_rank, "trainer_alive": True, "loss": [0.5] * rounds,
             "top1_agreement": [0.1] * rounds, "round_seconds": [1.0 + dp_rank] * rounds,
-            "round_swap_seconds": [0.01 * (1 + dp_rank)] * rounds,
+            "round_swap_seconds": [0.01 * (1 + dp_rank)] * rounds, "rounds_held": dp_rank,
+            "swap_checks": [{"round": r + 1, "swapped": True} for r in range(rounds)],
             "round_policy_version": [0] * rounds, "errors": [f"e{dp_rank}"],
             "acceptance_tokens": tokens, "acceptance_verify_steps": steps,
             "held_out_tokens": [0] * len(tokens), "held_out_verify_steps": [0] * len(steps),
@@ -59,7 +60,8 @@ def test_dp_stats_are_totals_and_each_replica() -> None:
     # the one trainer's memory, as the replica that loaded the newest round last heard it
     assert total["buffer_bytes"] == 300 and total["trainer_peak_rss_bytes"] == 3000
     assert total["round_seconds"] == [2.0] * 3, "the round lists: the newest replica's"
-    assert total["round_swap_seconds"] == [0.02] * 3
+    assert total["round_swap_seconds"] == [0.02] * 3 and total["rounds_held"] == 1
+    assert [c["round"] for c in total["swap_checks"]] == [1, 2, 3]
     assert combine_stats([zero, None]) is None  # a replica without co-training
 
 

@@ -112,6 +112,7 @@ class CotrainRuntime:
         self.ready = False
         self.errors: list[str] = []
         self.rounds: list[dict] = []
+        self.swap_checks: list[dict] = []  # every round the trainer checked, loaded or held
         self.acceptance = [_Acceptance()]  # index r: requests served by round r's weights
         self.held_out = [_Acceptance()]
         self.saved: Optional[dict] = None  # the last POST /save_draft_weights (adapters/drafter_save.py)
@@ -236,7 +237,11 @@ class CotrainRuntime:
         elif kind == "error":
             self.errors.append(message[1][-2000:])
             logger.error("sglang-rl drafter co-training: %s", message[1])
+        elif kind == "held":
+            self.swap_checks.append(message[1]["swap_check"])
         elif kind == "round":
+            if "swap_check" in message[2]:
+                self.swap_checks.append(message[2]["swap_check"])
             weights = [(name, from_wire(w)) for name, w in message[1]]
             if self.swap is not None:
                 self.swap.received(weights, message[2])
@@ -277,6 +282,8 @@ class CotrainRuntime:
             "top1_agreement": [r["top1_agreement"] for r in self.rounds],
             "round_seconds": [r["seconds"] for r in self.rounds],
             "round_swap_seconds": [r["applied_seconds"] for r in self.rounds],
+            "rounds_held": sum(not c["swapped"] for c in self.swap_checks),
+            "swap_checks": self.swap_checks,
             **({"round_gap_wait_s": [r.get("gap_wait_s", 0.0) for r in self.rounds]} if self.idle is not None else {}),
             "round_policy_version": [r["policy_version"] for r in self.rounds],
             "acceptance_length": [a.length for a in self.acceptance],

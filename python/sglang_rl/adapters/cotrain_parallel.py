@@ -262,7 +262,7 @@ def combine_stats(replicas: list[Optional[dict]]) -> Optional[dict]:
         "policy_version": max(r["policy_version"] for r in replicas),
         "trainer_alive": all(r["trainer_alive"] for r in replicas),
         **{key: newest[key] for key in ("loss", "top1_agreement", "round_seconds", "round_swap_seconds",
-                                        "round_policy_version")},
+                                        "round_policy_version", "rounds_held", "swap_checks")},
         **{key: newest[key] for key in ("buffer_bytes", "trainer_peak_rss_bytes", "trainer_peak_device_bytes")},
         "errors": [e for r in replicas for e in r["errors"]][-5:],
         "dp_size": len(replicas),

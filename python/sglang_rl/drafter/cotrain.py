@@ -31,6 +31,7 @@ from sglang_rl.drafter.data import sample_from_rows
 from sglang_rl.drafter.gaps import IdleGate
 from sglang_rl.drafter.loss import EagleLossConfig
 from sglang_rl.drafter.schedule import LrSchedule
+from sglang_rl.drafter.swap_check import SwapCheck
 from sglang_rl.drafter.trainer import DrafterTrainer
 from sglang_rl.drafter.buffer import HiddenStateReplayBuffer
 
@@ -64,6 +65,7 @@ class CotrainConfig:
     train_in_gaps: bool = False
     gap_max_wait_s: float = 10.0
     gap_busy_share: float = 1.0
+    swap_check_samples: int = 0
 
     def check(self) -> None:
         """Raise ValueError naming the first bad value."""
@@ -95,6 +97,10 @@ class CotrainConfig:
         if isinstance(self.gap_busy_share, bool) or not isinstance(self.gap_busy_share, (int, float)) \
                 or not 0 < self.gap_busy_share <= 1:
             raise ValueError(f"drafter co-training: gap_busy_share must be in (0, 1], got {self.gap_busy_share!r}")
+        if isinstance(self.swap_check_samples, bool) or not isinstance(self.swap_check_samples, int) \
+                or not 0 <= self.swap_check_samples < self.samples_per_round:
+            raise ValueError("drafter co-training: swap_check_samples must be an integer in "
+                             f"[0, samples_per_round={self.samples_per_round}), got {self.swap_check_samples!r}")
         try:
             LrSchedule.parse(self.lr_schedule)
         except ValueError as exc:
@@ -160,6 +166,7 @@ class CotrainLoop:
         self.rounds = 0
         self.head_updates = 0
         self.pending_head: Optional[tuple[torch.Tensor, Optional[torch.Tensor]]] = None
+        self.swap_check = SwapCheck(self.trainer.model, config.swap_check_samples) if config.swap_check_samples else None
 
     def set_target_head(self, embed: torch.Tensor, head: Optional[torch.Tensor] = None) -> None:
         """Follow the target's embedding and LM head after an RL step changed them (``head`` None:
@@ -203,6 +210,10 @@ class CotrainLoop:
     def round_samples(self) -> list:
         """The newest ``samples_per_round`` samples, newest policy version first, then
         ``replay_samples`` older ones drawn from the whole buffer (newer versions more likely)."""
+        fresh, replay = self._round_parts()
+        return fresh + replay
+
+    def _round_parts(self) -> tuple[list, list]:
         want = self.config.samples_per_round
         newest = self.buffer.get_data_from_last_n_steps(1)
         chosen = newest[-want:]
@@ -210,10 +221,11 @@ class CotrainLoop:
             older = [s for s in self.buffer.get_all() if not any(s is c for c in newest)]
             chosen = older[-(want - len(chosen)):] + chosen
         replay = self.buffer.replay(self.config.replay_samples, self.config.replay_decay, chosen, self.generator)
-        return chosen + replay
+        return chosen, replay
 
-    def train_round(self) -> tuple[list[tuple[str, torch.Tensor]], dict]:
-        """One round: train, then the new draft weights (serving dtype, CPU) and its metrics."""
+    def train_round(self) -> tuple[Optional[list[tuple[str, torch.Tensor]]], dict]:
+        """One round: train, then the new draft weights (serving dtype, CPU) and its metrics.
+        With a swap check the weights are None when the round is held (``metrics["swap_check"]``)."""
         start = time.perf_counter()
         if self.gate is not None:  # the batches' device copies and soft targets wait for idle time too
             self.gate.new_round()
@@ -221,7 +233,11 @@ class CotrainLoop:
         if self.pending_head is not None:
             self.set_target_head(*self.pending_head)
             self.pending_head = None
-        samples = self.round_samples()
+        fresh, replay = self._round_parts()
+        held: list = []
+        if self.swap_check is not None:
+            fresh, held = self.swap_check.hold_back(fresh)
+        samples = fresh + replay
         data = [samples[i:i + self.config.samples_per_step]
                 for i in range(0, len(samples), self.config.samples_per_step)]
         batches = [b for group in data for b in self.trainer.as_batches(group)]
@@ -249,6 +265,10 @@ class CotrainLoop:
             **peak_memory(self.trainer.device),
             **({"gap_wait_s": self.gate.waited_s} if self.gate is not None else {}),
         }
+        if self.swap_check is not None:
+            metrics["swap_check"] = {"round": self.rounds, **self.swap_check.decide(self.trainer, held)}
+            if not metrics["swap_check"]["swapped"]:
+                return None, metrics
         weights = sglang_weights(self.trainer.model, dtype=dtype_from_name(self.config.serve_dtype))
         return weights, metrics
 
@@ -294,6 +314,7 @@ def cotrain_main(config: CotrainConfig, inbox: Any, outbox: Any, idle: Any = Non
     messages: ``("sample", sample_to_wire(...))``, ``("target_head", embed_wire, head_wire or None)``,
     ``("stop",)``.
     Outbox messages: ``("ready", {})``, ``("round", [(name, to_wire(tensor))], metrics)``,
+    ``("held", metrics)`` (a round the swap check kept from the server),
     ``("error", text)``."""
     _name_process("sglang-rl::drafter-cotrain")
     if config.threads > 0:
@@ -333,7 +354,10 @@ def cotrain_main(config: CotrainConfig, inbox: Any, outbox: Any, idle: Any = Non
                 outbox.put(("error", traceback.format_exc()))
                 loop.fresh = 0
                 continue
-            outbox.put(("round", [(name, to_wire(t)) for name, t in weights], metrics))
+            if weights is None:  # the swap check kept the served drafter
+                outbox.put(("held", metrics))
+            else:
+                outbox.put(("round", [(name, to_wire(t)) for name, t in weights], metrics))
 
 
 def _name_process(title: str) -> None:

@@ -264,17 +264,20 @@ class DrafterTrainer:
 
     @torch.no_grad()
     def evaluate(self, data: Any) -> dict[str, float]:
-        """Loss parts and ``top1_agreement`` over ``data``, weighted by loss-masked pairs."""
+        """Loss parts and ``top1_agreement`` over ``data``, weighted by loss-masked pairs; with
+        ``unroll_steps > 1`` also ``top1_agreement_stepJ`` for draft steps 2..K."""
         self.model.eval()
         totals = {"loss": 0.0, "value_loss": 0.0, "prob_loss": 0.0, "top1_agreement": 0.0}
+        totals.update({f"top1_agreement_step{j}": 0.0 for j in range(2, self.unroll_steps + 1)})
         count = 0.0
         for batch in self.as_batches(data):
-            out, agreement, _ = self._forward_loss(batch)
+            out, agreement, per_step = self._forward_loss(batch)
             if out.num_tokens == 0:
                 continue
             n = float(batch.num_loss_pairs)
             for key, value in (("loss", float(out.loss)), ("value_loss", out.value_loss),
-                               ("prob_loss", out.prob_loss), ("top1_agreement", agreement)):
+                               ("prob_loss", out.prob_loss), ("top1_agreement", agreement),
+                               *((f"top1_agreement_step{j + 1}", a) for j, a in enumerate(per_step) if j)):
                 totals[key] += value * n
             count += n
         result = {k: (v / count if count else float("nan")) for k, v in totals.items()}

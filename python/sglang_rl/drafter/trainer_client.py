@@ -136,7 +136,7 @@ class RemoteTrainer:
             except Exception as exc:  # noqa: BLE001 - EOF, reset, or a close from join()
                 self._lost(exc)
                 return
-            if isinstance(message, tuple) and message and message[0] in ("ready", "round", "error"):
+            if isinstance(message, tuple) and message and message[0] in ("ready", "round", "held", "error"):
                 self.outbox.put(message)
 
     def join(self, timeout: float | None = None) -> None:

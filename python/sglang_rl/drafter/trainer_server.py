@@ -129,6 +129,10 @@ class TrainerHub:
                 m = message[2]
                 self.log(f"trainer: round {m['round']}: loss {m['loss']:.4f}, top-1 {m['top1_agreement']:.3f}, "
                          f"{m['samples_used']} samples, {m['seconds']:.1f}s; sent to {self.servers} servers")
+            elif message[0] == "held":
+                c = message[1]["swap_check"]
+                self.log(f"trainer: round {c['round']} held by the swap check (scored {c['trained']:.3f} "
+                         f"against the served drafter's {c['served']:.3f})")
             elif message[0] == "ready":
                 self.log("trainer: ready")
             else:

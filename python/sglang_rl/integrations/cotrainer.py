@@ -85,7 +85,7 @@ class CoTrainer:
         if not self.loop.due():
             return None
         weights, metrics = self.loop.train_round()
-        if self.push is not None:
+        if self.push is not None and weights is not None:  # None: the swap check held the round
             metrics["push"] = self.push(weights)
         self.history.append(metrics)
         return metrics
