@@ -472,9 +472,10 @@ def run_speed_config(args: argparse.Namespace, name: str) -> dict:
     before = llm.get_drafter_cotrain_stats() if cotrain else None
     work = train[:args.cost_rollouts]
     groups = [work[i:i + args.cost_batch] for i in range(0, len(work), args.cost_batch)]
-    # cotrain-optout: a co-training server whose rollouts all opt out, i.e. its cost without rows
+    # cotrain-optout: a co-training server whose rollouts all opt out, i.e. its cost without rows;
+    # paired, both windows opt out: the pairing's own bias (expected 1.0)
     fields = opt_out if name == "cotrain-optout" else {}
-    paired = cotrain and args.cost_paired and name != "cotrain-optout"
+    paired = cotrain and args.cost_paired
     windows, offs = [], []
     for _ in range(args.cost_repeats):
         if paired:  # the same workload opted out, with the trainer idle: EAGLE alone in this Engine
