@@ -414,6 +414,34 @@ def run_train(args: argparse.Namespace) -> dict:
 # --- speed ---------------------------------------------------------------------------------------
 
 
+class WindowProfile:
+    """py-spy (on PATH) sampling this Engine's scheduler process for one window, written as raw
+    collapsed stacks to ``out/NAME.txt``; a no-op without ``out``."""
+
+    def __init__(self, out: Optional[str], name: str) -> None:
+        self.proc = None
+        if not out:
+            return
+        import psutil
+
+        scheduler = [p for p in psutil.Process().children(recursive=True)
+                     if " ".join(p.cmdline()).startswith("sglang::scheduler")]
+        Path(out).mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(["py-spy", "record", "-p", str(scheduler[0].pid), "-r", "200", "-f", "raw",
+                                      "-o", str(Path(out) / f"{name}.txt"), "--nonblocking"],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def __enter__(self) -> "WindowProfile":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.proc is not None:  # py-spy writes its file when interrupted
+            import signal
+
+            self.proc.send_signal(signal.SIGINT)
+            self.proc.wait(timeout=60)
+
+
 def timed_groups(llm: Any, groups: list[list[list[int]]], sp: dict, pause_s: float = 0.0, **fields: Any) -> dict:
     """Output tok/s of the groups sent one after another; `pause_s` after each group (an RL
     step's trainer phase, when the rollout server is idle) is not counted."""
@@ -477,11 +505,13 @@ def run_speed_config(args: argparse.Namespace, name: str) -> dict:
     fields = opt_out if name == "cotrain-optout" else {}
     paired = cotrain and args.cost_paired
     windows, offs = [], []
-    for _ in range(args.cost_repeats):
+    for i in range(args.cost_repeats):
         if paired:  # the same workload opted out, with the trainer idle: EAGLE alone in this Engine
             wait_trainer_drained(llm, args.cost_samples_per_round)
-            offs.append(timed_groups(llm, groups, sp, pause_s=args.cost_pause_s, **opt_out))
-        windows.append(timed_groups(llm, groups, sp, pause_s=args.cost_pause_s, **fields))
+            with WindowProfile(args.cost_profile, f"{name}_off{i}"):
+                offs.append(timed_groups(llm, groups, sp, pause_s=args.cost_pause_s, **opt_out))
+        with WindowProfile(args.cost_profile, f"{name}_on{i}"):
+            windows.append(timed_groups(llm, groups, sp, pause_s=args.cost_pause_s, **fields))
     median = sorted(windows, key=lambda w: w["tok_s"])[len(windows) // 2]
     result["cost"] = {**median, "pause_s": args.cost_pause_s, "window_tok_s": [w["tok_s"] for w in windows],
                       "window_group_seconds": [w["group_seconds"] for w in windows]}
@@ -750,6 +780,7 @@ def parser() -> argparse.ArgumentParser:
                    help="cotrain-gaps: --drafter-cotrain-gap-busy-share (default: the server's, 1)")
     p.add_argument("--cost-threads", type=int, default=0,
                    help="co-training configs on a GPU: --drafter-cotrain-threads of the trainer (0: torch's default)")
+    p.add_argument("--cost-profile", help="write py-spy samples of the scheduler per window here (py-spy on PATH)")
     p.add_argument("--cost-gap-max-wait-s", type=float, default=None,
                    help="cotrain-gaps: --drafter-cotrain-gap-max-wait-s (default: the server's, 10); "
                         "larger than the run: train only while the server is idle")
