@@ -621,7 +621,7 @@ def report(out: Path) -> None:
                          "round_s": f"{r['round_seconds']:.2f}" if r["round_seconds"] is not None else "",
                          "same_ids": r.get("held_out_same_tokens_as_round0", ""),
                          "loaded": r.get("rounds_loaded", r["round"]),
-                         "check": "" if not r.get("swap_check") else
+                         "check": "" if not r.get("swap_check") or r["swap_check"]["trained"] is None else
                          "{trained:.3f} vs {served:.3f}".format(**r["swap_check"])})
         checked = any(r.get("swap_check") for r in t["records"])
         print_table(rows, ["phase", "round", "rollouts", "policy", "held_out_acc", "pos_accept", "held_out_tokens",

@@ -46,6 +46,19 @@ def test_a_better_round_is_swapped_in_and_a_worse_one_held() -> None:
     assert all(torch.equal(p, ruined[n]) for n, p in _params(trainer.model).items()), "training goes on from the round"
 
 
+def test_held_back_rollouts_without_pairs_to_score_load_the_round() -> None:
+    from sglang_rl.drafter.data import sample_from_rows
+    from test_drafter_training import H, V
+
+    trainer = DrafterTrainer(tiny_drafter(), lr=1e-2)
+    check = SwapCheck(trainer.model, 1)
+    prompt_only = sample_from_rows(torch.randint(0, V, (12,)), torch.randn(12, H), response_start=12)
+    trainer.train_steps(rollout_samples(3), 5)
+    result = check.decide(trainer, [prompt_only])
+    assert result["swapped"] and result["served"] is None and result["trained"] is None
+    assert all(torch.equal(check.served[n], t) for n, t in _params(trainer.model).items())
+
+
 def test_unrolled_training_scores_the_whole_chain() -> None:
     trainer = DrafterTrainer(tiny_drafter(), lr=1e-2, unroll_steps=3)
     metrics = trainer.evaluate(rollout_samples(2))

@@ -6,7 +6,8 @@ trained drafter and the served one (a copy of its trainable weights) are scored 
 target's current embedding and head: teacher-forced top-1 agreement with the target, chained over
 the trained draft steps (the sum over k of the product of steps 1..k's agreements, the expected
 number of accepted drafts of a chain as long as ``unroll_steps``). A round that scores lower is
-held: the server keeps the drafter it serves, and training goes on from the new weights.
+held: the server keeps the drafter it serves, and training goes on from the new weights. Held-back
+rollouts with no pair to score (a prompt without a response) cannot judge: the round is loaded.
 """
 
 from __future__ import annotations
@@ -57,7 +58,11 @@ class SwapCheck:
         """Score the trained and the served drafter on ``held``; keep the trained one as the
         served one if it scores at least as well. The model ends with the trained weights."""
         trained_weights = _trainable(trainer.model)
-        trained = chain_score(trainer.evaluate(held))
+        evaluated = trainer.evaluate(held)
+        if not evaluated["num_loss_pairs"]:  # nothing to judge by (e.g. held-back prompts without a response)
+            self.served = trained_weights
+            return {"samples": len(held), "served": None, "trained": None, "swapped": True}
+        trained = chain_score(evaluated)
         _load(trainer.model, self.served)
         served = chain_score(trainer.evaluate(held))
         _load(trainer.model, trained_weights)
