@@ -414,6 +414,30 @@ def run_train(args: argparse.Namespace) -> dict:
 # --- speed ---------------------------------------------------------------------------------------
 
 
+def split_cpus() -> dict:
+    """Pin every thread of this Engine's scheduler process to the lower half of the CPUs and every
+    thread of its co-training process to the upper half, so that the two never share a core
+    (a test of whether the trainer's host work slows the scheduler). Returns what was pinned."""
+    import psutil
+
+    cpus = sorted(os.sched_getaffinity(0))
+    low, high = set(cpus[:len(cpus) // 2]), set(cpus[len(cpus) // 2:])
+    pinned: dict = {}
+    deadline = time.time() + 120  # the spawned trainer names itself once its imports are done
+    while time.time() < deadline and not any(" ".join(p.cmdline()).startswith("sglang-rl::drafter")
+                                             for p in psutil.Process().children(recursive=True)):
+        time.sleep(0.5)
+    for proc in psutil.Process().children(recursive=True):
+        title = " ".join(proc.cmdline())
+        half = low if title.startswith("sglang::scheduler") else high if title.startswith("sglang-rl::drafter") else None
+        if half is None:
+            continue
+        for tid in os.listdir(f"/proc/{proc.pid}/task"):
+            os.sched_setaffinity(int(tid), half)
+        pinned[title.split()[0]] = [min(half), max(half)]
+    return pinned
+
+
 class WindowProfile:
     """py-spy (on PATH) sampling this Engine's scheduler process for one window, written as raw
     collapsed stacks to ``out/NAME.txt``; a no-op without ``out``."""
@@ -484,8 +508,9 @@ def run_speed_config(args: argparse.Namespace, name: str) -> dict:
     llm = sgl.Engine(**kw)
     startup = time.time() - start
     sp = {"max_new_tokens": args.max_new_tokens, "temperature": 0}
+    pinned = split_cpus() if args.cost_split_cpus else None
     opt_out = {"drafter_cotrain": False} if cotrain else {}
-    result: dict = {"config": name, "startup_s": round(startup, 1)}
+    result: dict = {"config": name, "startup_s": round(startup, 1), **({"pinned": pinned} if pinned else {})}
     if not cotrain:
         for bs in args.batch_sizes:
             n = max(args.min_requests, bs * args.groups_per_batch_size)
@@ -780,6 +805,8 @@ def parser() -> argparse.ArgumentParser:
                    help="cotrain-gaps: --drafter-cotrain-gap-busy-share (default: the server's, 1)")
     p.add_argument("--cost-threads", type=int, default=0,
                    help="co-training configs on a GPU: --drafter-cotrain-threads of the trainer (0: torch's default)")
+    p.add_argument("--cost-split-cpus", action="store_true",
+                   help="pin the scheduler to the lower half of the CPUs and the co-training process to the upper half")
     p.add_argument("--cost-profile", help="write py-spy samples of the scheduler per window here (py-spy on PATH)")
     p.add_argument("--cost-gap-max-wait-s", type=float, default=None,
                    help="cotrain-gaps: --drafter-cotrain-gap-max-wait-s (default: the server's, 10); "
