@@ -11,16 +11,17 @@ from verl_example import example_config
 
 
 def _stats(rounds: int, loss: list, acceptance: list, held_out: list, version: int = 3, alive: bool = True,
-           errors: tuple = ()) -> dict:
-    return {"rounds": rounds, "samples": 10 * rounds, "samples_dropped": 1, "policy_version": version,
+           errors: tuple = (), held: int = 0) -> dict:
+    return {"rounds": rounds, "rounds_held": held, "samples": 10 * rounds, "samples_dropped": 1, "policy_version": version,
             "trainer_alive": alive, "errors": list(errors), "loss": loss, "top1_agreement": [0.5] * len(loss),
             "acceptance_length": acceptance, "held_out_acceptance_length": held_out}
 
 
 def test_counts_add_up_over_servers_and_rates_average_their_newest_rounds() -> None:
     metrics = step_metrics([_stats(2, [3.0, 2.0], [1.1, 1.5, None], [1.0, 1.4, None], version=4),
-                            _stats(1, [2.5], [1.2, 1.7], [None, None], version=5)], rounds_before=1)
+                            _stats(1, [2.5], [1.2, 1.7], [None, None], version=5, held=2)], rounds_before=1)
     assert metrics["cotrain/rounds"] == 3 and metrics["cotrain/rounds_this_step"] == 2
+    assert metrics["cotrain/rounds_held"] == 2
     assert metrics["cotrain/samples"] == 30 and metrics["cotrain/samples_dropped"] == 2
     assert metrics["cotrain/policy_version"] == 5
     assert metrics["cotrain/loss"] == pytest.approx((2.0 + 2.5) / 2)

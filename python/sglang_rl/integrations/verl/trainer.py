@@ -44,6 +44,7 @@ def step_metrics(stats: list[dict], rounds_before: int) -> dict[str, float]:
     metrics = {
         "cotrain/rounds": rounds,
         "cotrain/rounds_this_step": rounds - rounds_before,
+        "cotrain/rounds_held": sum(s["rounds_held"] for s in stats),  # by the swap check, if on
         "cotrain/policy_version": max(s["policy_version"] for s in stats),
         "cotrain/samples": sum(s["samples"] for s in stats),
         "cotrain/samples_dropped": sum(s["samples_dropped"] for s in stats),
