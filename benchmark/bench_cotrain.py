@@ -414,27 +414,29 @@ def run_train(args: argparse.Namespace) -> dict:
 # --- speed ---------------------------------------------------------------------------------------
 
 
+def engine_processes(title: str) -> list:
+    """This process's descendants whose command line starts with ``title`` (sglang names its
+    scheduler ``sglang::scheduler``; the co-training process is ``sglang-rl::drafter-cotrain``)."""
+    import psutil
+
+    return [p for p in psutil.Process().children(recursive=True) if " ".join(p.cmdline()).startswith(title)]
+
+
 def split_cpus() -> dict:
     """Pin every thread of this Engine's scheduler process to the lower half of the CPUs and every
     thread of its co-training process to the upper half, so that the two never share a core
     (a test of whether the trainer's host work slows the scheduler). Returns what was pinned."""
-    import psutil
-
     cpus = sorted(os.sched_getaffinity(0))
     low, high = set(cpus[:len(cpus) // 2]), set(cpus[len(cpus) // 2:])
-    pinned: dict = {}
     deadline = time.time() + 120  # the spawned trainer names itself once its imports are done
-    while time.time() < deadline and not any(" ".join(p.cmdline()).startswith("sglang-rl::drafter")
-                                             for p in psutil.Process().children(recursive=True)):
+    while time.time() < deadline and not engine_processes("sglang-rl::drafter"):
         time.sleep(0.5)
-    for proc in psutil.Process().children(recursive=True):
-        title = " ".join(proc.cmdline())
-        half = low if title.startswith("sglang::scheduler") else high if title.startswith("sglang-rl::drafter") else None
-        if half is None:
-            continue
-        for tid in os.listdir(f"/proc/{proc.pid}/task"):
-            os.sched_setaffinity(int(tid), half)
-        pinned[title.split()[0]] = [min(half), max(half)]
+    pinned: dict = {}
+    for title, half in (("sglang::scheduler", low), ("sglang-rl::drafter", high)):
+        for proc in engine_processes(title):
+            for tid in os.listdir(f"/proc/{proc.pid}/task"):
+                os.sched_setaffinity(int(tid), half)
+            pinned[title] = [min(half), max(half)]
     return pinned
 
 
@@ -446,10 +448,7 @@ class WindowProfile:
         self.proc = None
         if not out:
             return
-        import psutil
-
-        scheduler = [p for p in psutil.Process().children(recursive=True)
-                     if " ".join(p.cmdline()).startswith("sglang::scheduler")]
+        scheduler = engine_processes("sglang::scheduler")
         Path(out).mkdir(parents=True, exist_ok=True)
         self.proc = subprocess.Popen(["py-spy", "record", "-p", str(scheduler[0].pid), "-r", "200", "-f", "raw",
                                       "-o", str(Path(out) / f"{name}.txt"), "--nonblocking"],
