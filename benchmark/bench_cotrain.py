@@ -47,6 +47,7 @@ from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import EAGLE, engine_kwargs, print_table  # noqa: E402
+import process_usage  # noqa: E402
 from sglang_rl.drafter.acceptance import merge_histograms, position_accept_rates  # noqa: E402
 
 SPEED_CONFIGS = ("plain", "spec", "cotrain-same", "cotrain-gaps", "cotrain-optout", "cotrain-cuda1", "cotrain-cpu")
@@ -414,14 +415,6 @@ def run_train(args: argparse.Namespace) -> dict:
 # --- speed ---------------------------------------------------------------------------------------
 
 
-def engine_processes(title: str) -> list:
-    """This process's descendants whose command line starts with ``title`` (sglang names its
-    scheduler ``sglang::scheduler``; the co-training process is ``sglang-rl::drafter-cotrain``)."""
-    import psutil
-
-    return [p for p in psutil.Process().children(recursive=True) if " ".join(p.cmdline()).startswith(title)]
-
-
 def split_cpus() -> dict:
     """Pin every thread of this Engine's scheduler process to the lower half of the CPUs and every
     thread of its co-training process to the upper half, so that the two never share a core
@@ -429,11 +422,11 @@ def split_cpus() -> dict:
     cpus = sorted(os.sched_getaffinity(0))
     low, high = set(cpus[:len(cpus) // 2]), set(cpus[len(cpus) // 2:])
     deadline = time.time() + 120  # the spawned trainer names itself once its imports are done
-    while time.time() < deadline and not engine_processes("sglang-rl::drafter"):
+    while time.time() < deadline and not process_usage.engine_processes("sglang-rl::drafter"):
         time.sleep(0.5)
     pinned: dict = {}
     for title, half in (("sglang::scheduler", low), ("sglang-rl::drafter", high)):
-        for proc in engine_processes(title):
+        for proc in process_usage.engine_processes(title):
             for tid in os.listdir(f"/proc/{proc.pid}/task"):
                 os.sched_setaffinity(int(tid), half)
             pinned[title] = [min(half), max(half)]
@@ -448,7 +441,7 @@ class WindowProfile:
         self.proc = None
         if not out:
             return
-        scheduler = engine_processes("sglang::scheduler")
+        scheduler = process_usage.engine_processes("sglang::scheduler")
         Path(out).mkdir(parents=True, exist_ok=True)
         self.proc = subprocess.Popen(["py-spy", "record", "-p", str(scheduler[0].pid), "-r", "200", "-f", "raw",
                                       "-o", str(Path(out) / f"{name}.txt"), "--nonblocking"],
@@ -471,6 +464,8 @@ def timed_groups(llm: Any, groups: list[list[list[int]]], sp: dict, pause_s: flo
     per_group = []
     tokens = steps = 0
     ids = []
+    pids = process_usage.engine_pids()
+    before, wall = process_usage.snapshot(pids), time.perf_counter()
     for g in groups:
         t = time.perf_counter()
         outs = llm.generate(input_ids=g, sampling_params=sp, **fields)
@@ -480,9 +475,10 @@ def timed_groups(llm: Any, groups: list[list[list[int]]], sp: dict, pause_s: flo
         ids.extend(list(o["output_ids"]) for o in outs)
         time.sleep(pause_s)
     seconds = sum(per_group)
+    host = process_usage.usage(before, process_usage.snapshot(pids), time.perf_counter() - wall, tokens)
     return {"requests": sum(len(g) for g in groups), "tokens": tokens, "seconds": round(seconds, 3),
             "tok_s": round(tokens / seconds, 1), "acceptance": ratio(tokens, steps),
-            "group_seconds": [round(x, 3) for x in per_group], "output_ids": ids}
+            "group_seconds": [round(x, 3) for x in per_group], "host": host, "output_ids": ids}
 
 
 def run_speed_config(args: argparse.Namespace, name: str) -> dict:
@@ -538,12 +534,14 @@ def run_speed_config(args: argparse.Namespace, name: str) -> dict:
             windows.append(timed_groups(llm, groups, sp, pause_s=args.cost_pause_s, **fields))
     median = sorted(windows, key=lambda w: w["tok_s"])[len(windows) // 2]
     result["cost"] = {**median, "pause_s": args.cost_pause_s, "window_tok_s": [w["tok_s"] for w in windows],
-                      "window_group_seconds": [w["group_seconds"] for w in windows]}
+                      "window_group_seconds": [w["group_seconds"] for w in windows],
+                      "window_host": [w["host"] for w in windows]}
     if paired:
         ratios = [ratio(on["tok_s"], off["tok_s"]) for off, on in zip(offs, windows)]
         result["cost"].update(off_window_tok_s=[w["tok_s"] for w in offs], paired_ratios=ratios,
                               paired_median=sorted(ratios)[len(ratios) // 2],
-                              off_window_group_seconds=[w["group_seconds"] for w in offs])
+                              off_window_group_seconds=[w["group_seconds"] for w in offs],
+                              off_window_host=[w["host"] for w in offs])
     if cotrain:
         after = llm.get_drafter_cotrain_stats()
         done = after["rounds"] - before["rounds"]
@@ -696,6 +694,32 @@ def report(out: Path) -> None:
         print_table(rows, ["config", "requests", "tokens", "tok_s", "vs_spec", "acceptance", "rounds_in_window",
                            "train_s_in_window", "gap_wait_s", "swap_s", "pause_s", "windows", "opted_out_windows",
                            "vs_opted_out"])
+        host = host_rows(speeds)
+        if host:
+            print("\n## host work per window (median over windows; on: co-training, off: opted out)")
+            print_table(host, list(host[0]))
+
+
+def host_rows(speeds: list[dict]) -> list[dict]:
+    """Per config and window kind: the scheduler's CPU per 1000 output tokens (all threads, main
+    thread) and involuntary context switches per second, the trainer's cores, the host's busy cores."""
+    rows = []
+    for s in speeds:
+        cost = s.get("cost", {})
+        for kind, key in (("on", "window_host"), ("off", "off_window_host")):
+            windows = [w for w in cost.get(key, []) if w.get("scheduler")]
+            if not windows:
+                continue
+            med = lambda f: sorted(f(w) for w in windows)[len(windows) // 2]  # noqa: E731
+            rows.append({"config": s["config"], "window": kind,
+                         "sched_cpu_ms/1k_tok": med(lambda w: w["scheduler"]["cpu_ms_per_1k_tok"]),
+                         "sched_main_ms/1k_tok": med(lambda w: w["scheduler"]["main_cpu_ms_per_1k_tok"]),
+                         "sched_invol/s": med(lambda w: w["scheduler"]["invol_per_s"]),
+                         "sched_main_invol/s": med(lambda w: w["scheduler"]["main_invol_per_s"]),
+                         "engine_cpu_ms/1k_tok": med(lambda w: w.get("engine", {}).get("cpu_ms_per_1k_tok", 0)),
+                         "trainer_cores": med(lambda w: (w.get("trainer") or {}).get("cores", 0)),
+                         "host_busy_cores": med(lambda w: w["host_busy_cores"])})
+    return rows
 
 
 def plot(out: Path, png: Path) -> None:
