@@ -61,24 +61,32 @@ def host_busy() -> tuple[float, float]:
     return (sum(values) - idle) / TICKS, sum(values) / TICKS
 
 
-def engine_processes(prefix: str) -> list:
-    """This process's descendants whose command line starts with ``prefix``."""
+def _descendants() -> list[tuple[Any, str]]:
+    """This process's descendants with their command lines (those that exit meanwhile left out)."""
     import psutil
 
     found = []
     for child in psutil.Process().children(recursive=True):
         try:
-            if " ".join(child.cmdline()).startswith(prefix):
-                found.append(child)
+            found.append((child, " ".join(child.cmdline())))
         except psutil.Error:
             continue
     return found
 
 
+def engine_processes(prefix: str) -> list:
+    """This process's descendants whose command line starts with ``prefix``."""
+    return [child for child, line in _descendants() if line.startswith(prefix)]
+
+
 def engine_pids() -> dict[str, list[int]]:
-    """Pids of this process's Engine by role; ``engine`` is this process."""
-    pids = {role: [p.pid for p in engine_processes(prefix)] for role, prefix in ROLES.items()}
-    return {"engine": [os.getpid()], **{role: group for role, group in pids.items() if group}}
+    """Pids of this process's Engine by role (one walk of its descendants); ``engine`` is this process."""
+    pids: dict[str, list[int]] = {"engine": [os.getpid()]}
+    for child, line in _descendants():
+        for role, prefix in ROLES.items():
+            if line.startswith(prefix):
+                pids.setdefault(role, []).append(child.pid)
+    return pids
 
 
 def snapshot(pids: dict[str, list[int]]) -> dict:
