@@ -12,6 +12,8 @@ ahead of the tests that need it, and stopped after the last of them.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from e2e_servers import POOL, USES_SERVERS, Spec, server_fixture, server_keys
@@ -40,6 +42,29 @@ def tokenizer(model_path: str):
 
 
 _index: dict[str, int] = {}
+_HERE = Path(__file__).resolve().parent
+
+# Servers that many modules share, in the order their modules run: the modules using the first run
+# first, then those using the second, and so on (the rest last, each in file order), so the pool
+# stops each of them early and the memory it holds goes to starting the next servers ahead.
+SHARED_FIRST = ("hs-radix-chunked", "hs-noradix", "disabled", "plain")
+
+
+def module_rank(keys: set) -> int:
+    """Where a module whose tests need the servers `keys` runs among the e2e modules."""
+    return next((rank for rank, key in enumerate(SHARED_FIRST) if key in keys), len(SHARED_FIRST))
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:
+    """Run the e2e modules grouped by the shared servers they need (`SHARED_FIRST`); other
+    tests first, and every module's tests in their own order."""
+    modules: dict = {}
+    for item in items:
+        modules.setdefault(item.path, []).append(item)
+    e2e = [path for path in modules if _HERE in Path(path).resolve().parents]
+    needs = {path: set().union(*(server_keys(item) for item in modules[path])) for path in e2e}
+    ordered = [path for path in modules if path not in needs] + sorted(e2e, key=lambda path: module_rank(needs[path]))
+    items[:] = [item for path in ordered for item in modules[path]]
 
 
 def pytest_configure(config: pytest.Config) -> None:
