@@ -18,8 +18,17 @@ demo: setup
 demo-cotrain: setup
 	$(PY) scripts/demo_cotrain.py
 
+# the unit tests run alongside the end-to-end ones (which leave part of the 2 cores idle while
+# they wait on servers); their output follows the end-to-end report
 test: setup
-	$(PY) -m pytest test/unit test/e2e -v --durations=30
+	@unit_log=$$(mktemp /tmp/sglang-rl-unit-tests.XXXXXX); \
+	$(PY) -m pytest test/unit -v --durations=15 > $$unit_log 2>&1 & unit_pid=$$!; \
+	$(PY) -m pytest test/e2e -v --durations=30; e2e_rc=$$?; \
+	wait $$unit_pid; unit_rc=$$?; \
+	echo "=================== test/unit (ran alongside test/e2e) ==================="; \
+	cat $$unit_log; rm -f $$unit_log; \
+	echo "make test: test/e2e exit $$e2e_rc, test/unit exit $$unit_rc"; \
+	[ $$e2e_rc -eq 0 ] && [ $$unit_rc -eq 0 ]
 
 # on a machine with CUDA and the plugin installed (not part of `make test`)
 test-gpu:

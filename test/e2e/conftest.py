@@ -68,6 +68,9 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    import torch
+
+    torch.set_num_threads(1)  # the test process's own forwards beside busy servers (test/unit/conftest.py)
     config.addinivalue_line("markers", f"{USES_SERVERS}(*fixture_names): server fixtures a test gets other than "
                                        "as arguments (for the server pool's plan)")
 

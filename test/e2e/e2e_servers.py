@@ -108,12 +108,18 @@ class Spec:
     a fresh interpreter (`run_prepare`), not in the pytest process: the pool prepares servers
     ahead, while other tests run, and building torch modules draws from torch's global
     generator (and a prepare may set torch's thread count), which must not change under them.
-    `workdir` is removed at the end of the session."""
+    `workdir` is removed at the end of the session.
+
+    `polls_when_idle`: the server keeps a core busy while no request comes (sglang's
+    data-parallel controller reads its socket in a loop that never sleeps,
+    `DataParallelController.event_loop`). Started ahead, it waits for its first test at the lowest
+    CPU priority, taking only cycles nothing else wants."""
 
     key: str
     args: tuple = ()
     env: Optional[dict] = None
     prepare: Optional[Callable[[str, Path], Prepared]] = None
+    polls_when_idle: bool = False
 
 
 def _encode(value: Any) -> Any:
@@ -282,6 +288,8 @@ class Pool:
             self._event(key, "failed", error=f"{type(exc).__name__}: {str(exc)[:300]}")
             entry.future.set_exception(exc)
         else:
+            if entry.spec.polls_when_idle:  # no test has it yet: the future is not set
+                set_priority(server, LOWEST_PRIORITY)
             with self._lock:
                 entry.server, entry.t_ready = server, time.time()
                 closed = self._closed or entry.released
@@ -352,9 +360,12 @@ class Pool:
             server = entry.future.result()
         waited = time.time() - t0
         with self._lock:
-            if not entry.used:
+            first = not entry.used
+            if first:
                 entry.used, entry.waited_s = True, waited
                 self._event(key, "first use", waited=round(waited, 1))
+        if first and entry.spec.polls_when_idle:
+            set_priority(server, 0)
         return server
 
     def prepared_data(self, key: str) -> dict:
@@ -418,6 +429,26 @@ class Pool:
                 for event in self.log:
                     f.write(json.dumps(event) + "\n")
         except OSError:
+            pass
+
+
+LOWEST_PRIORITY = 19
+
+
+def set_priority(server: Server, niceness: int) -> None:
+    """Give every process of `server` this niceness (going back up to 0 needs root; without it
+    the server keeps the lower priority, which only makes it slower)."""
+    import psutil
+
+    try:
+        root = psutil.Process(server.proc.pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return
+    for proc in procs:
+        try:
+            proc.nice(niceness)
+        except (psutil.Error, OSError):
             pass
 
 

@@ -46,7 +46,7 @@ def _split_heads_eagle3(model_path: str, workdir: Path) -> Prepared:
     return _six_heads(Path(_eagle3_drafter(model_path, workdir).args[1]))
 
 
-PARALLEL = Spec("cotrain-tp2-dp2", FLAGS, env={**EAGER, **BIND}, prepare=_split_heads)
+PARALLEL = Spec("cotrain-tp2-dp2", FLAGS, env={**EAGER, **BIND}, prepare=_split_heads, polls_when_idle=True)
 parallel_server = server_fixture(PARALLEL, scope="module", doc="tp 2 x dp 2 co-training server (4 schedulers).")
 EAGLE3_FLAGS = ("--tp-size", "2", "--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "3",
                 "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4", "--drafter-cotrain",
