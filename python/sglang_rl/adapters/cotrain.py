@@ -34,7 +34,7 @@ from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 from sglang_rl.adapters.cotrain_metrics import CotrainMetrics
 from sglang_rl.adapters import cotrain_parallel as parallel
 from sglang_rl.adapters.cotrain_rows import CotrainRows
-from sglang_rl.adapters.request_state import cotrain_rows_of, kcbs_beam_of, kcbs_search_of, peek, state_of
+from sglang_rl.adapters.request_state import cotrain_rows_of, kcbs_beam_of, kcbs_search_of, state_of
 from sglang_rl.adapters.cotrain_config import config_from_args
 from sglang_rl.adapters.cotrain_idle import idle_event, note_idle, weights_released
 from sglang_rl.drafter.cotrain import (
@@ -313,14 +313,6 @@ class CotrainRuntime:
 def runtime_of(scheduler: Any) -> Optional[CotrainRuntime]:
     """The co-training runtime a scheduler keeps (None when it does not co-train)."""
     return getattr(scheduler, ATTR, None)
-
-
-def count_finished(req: Any) -> None:
-    """A request finishing in an output batch: the runtime that adopted it counts it (once)."""
-    state = peek(req)
-    runtime = state.cotrain_runtime if state is not None else None
-    if runtime is not None:
-        runtime.finished(req)
 
 
 # --- hooks ---------------------------------------------------------------------------------------

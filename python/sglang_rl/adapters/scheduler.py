@@ -18,7 +18,7 @@ from sglang.srt.runtime_context import get_parallel, get_server_args
 
 from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
-from sglang_rl.adapters import cotrain, hidden_states, kcbs, specforge_export, toploc, transport
+from sglang_rl.adapters import hidden_states, kcbs, toploc, transport
 from sglang_rl.adapters.last_layer_rows import last_layer_rows, set_last_layer_rows
 from sglang_rl.adapters.request_state import (
     cotrain_rows_of,
@@ -335,8 +335,10 @@ def _finish_rows(reqs: list, pipeline: Any) -> None:
         return
     finishing, collectors = [], []
     for req in finished:
-        cotrain.count_finished(req)
-        specforge_export.finished(req)
+        adopted = peek(req)
+        for adopter in (adopted.cotrain_runtime, adopted.specforge_export) if adopted is not None else ():
+            if adopter is not None:  # the co-training runtime counts it, the SpecForge export writes it
+                adopter.finished(req)
         state = fingerprint_of(req)
         if isinstance(state, FingerprintBuilder) and not state.done:
             finishing.append((state, req))

@@ -132,14 +132,6 @@ def export_of(scheduler: Any) -> Optional[SpecForgeExport]:
     return getattr(scheduler, ATTR, None)
 
 
-def finished(req: Any) -> None:
-    """A request finishing in an output batch: the export that adopted it writes it."""
-    state = peek(req)
-    export = state.specforge_export if state is not None else None
-    if export is not None:
-        export.finished(req)
-
-
 # --- hooks ---------------------------------------------------------------------------------------
 
 
