@@ -7,7 +7,8 @@ changes what the server computes beyond float summation order, which TOPLOC tole
 `toploc_server` overrides the fixture of test/conftest.py for this directory only.
 
 Servers come from the session's pool (e2e_servers.py): each one is started once per session,
-ahead of the tests that need it, and stopped after the last of them.
+ahead of the tests that need it, and stopped after the last of them. The modules run grouped by
+the servers many of them share (`SHARED_FIRST`), so those are stopped early.
 """
 
 from __future__ import annotations
