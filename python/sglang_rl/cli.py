@@ -14,8 +14,6 @@ import importlib
 import sys
 from typing import Callable, Optional, Sequence
 
-from sglang_rl_client.cli import ArgumentParser  # noqa: F401 - one-line errors, shared with the client
-
 # subcommand -> (module whose main(argv) runs it, one line of help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "model": ("sglang_rl.default_model", "print the default model's folder (SmolLM2-135M-Instruct), building it if needed"),

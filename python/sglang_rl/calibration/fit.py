@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from sglang_rl.cli import ArgumentParser
+from sglang_rl.arguments import ArgumentParser
 from sglang_rl.fingerprint.calibration import (
     BOUND_NAMES,
     MIN_SAMPLES,

@@ -24,7 +24,7 @@ from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence
 
-from sglang_rl.cli import ArgumentParser
+from sglang_rl.arguments import ArgumentParser
 from sglang_rl.calibration.measure import gsm8k_prompts, write_records
 from sglang_rl.calibration.rollouts import gpu_name, read_rollouts, rollout_files, verify_saved, write_rollouts
 from sglang_rl_client import Rollout, Transport, VerifierClient

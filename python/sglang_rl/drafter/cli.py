@@ -8,7 +8,7 @@ import dataclasses
 import sys
 from typing import Sequence
 
-from sglang_rl.cli import ArgumentParser
+from sglang_rl.arguments import ArgumentParser
 from sglang_rl.drafter.checkpoint import INIT_SCHEMES, init_drafter, save_drafter
 from sglang_rl.drafter.config import DTYPE_NAMES, DrafterConfig
 

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from sglang_rl.cli import ArgumentParser
+from sglang_rl.arguments import ArgumentParser
 from sglang_rl.request_options import FINGERPRINTS_FIELD
 from sglang_rl_client import Rollout, RolloutError, ServerError, VerifierClient
 
