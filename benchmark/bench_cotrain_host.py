@@ -22,7 +22,7 @@ import time
 import torch
 
 from sglang_rl.adapters.cotrain_rows import CotrainRows
-from sglang_rl.adapters.hidden_states import add_decode_rows
+from sglang_rl.adapters.decode_step import add_decode_rows
 from sglang_rl.adapters.request_state import state_of
 from sglang_rl.adapters.scheduler import decode_routes
 from sglang_rl.drafter.cotrain import sample_to_wire
@@ -36,7 +36,8 @@ class _Req:
         self.output_ids: list[int] = []
         self.target = response
         self.is_retracted = False
-        state_of(self).cotrain_rows = CotrainRows(prompt, window)
+        self.window = CotrainRows(prompt, window)
+        state_of(self).add_rows(self.window)
 
     def finished(self) -> bool:
         return len(self.output_ids) >= self.target
@@ -68,7 +69,7 @@ def run(requests: int, hidden: int, draft_tokens: int, window: int, acceptance: 
             req.output_ids.extend([7] * count)
         for req in [r for r in running if r.finished()]:
             t0 = time.perf_counter()
-            rows = state_of(req).cotrain_rows
+            rows = req.window
             rows.close(req, policy_version=0)
             sample = rows.sample()
             t1 = time.perf_counter()

@@ -20,7 +20,7 @@ PIPELINE = "sglang_rl.fingerprint.pipeline.FingerprintPipeline"
 
 
 def _paired(original: Any, *args: Any, **kwargs: Any) -> Any:
-    """`state_for_request` while the flag file is absent; no TOPLOC state at all (so no builder)
+    """`builder_for_request` while the flag file is absent; no TOPLOC state at all (so no builder)
     while it exists. The paired runs only generate, so no verification request meets it."""
     if os.path.exists(os.environ["SGLANG_RL_TOPLOC_PAIRED_FLAG"]):
         return None
@@ -37,11 +37,11 @@ def _paired_keep(original: Any, pipeline: Any, rows: Any) -> Any:
 
 
 def register() -> None:
-    """Entry point: wrap `state_for_request` (and with the clone variable, `keep_rows`)."""
+    """Entry point: wrap `builder_for_request` (and with the clone variable, `keep_rows`)."""
     if not os.environ.get("SGLANG_RL_TOPLOC_PAIRED_FLAG"):
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    HookRegistry.register(f"{TOPLOC}.state_for_request", _paired, HookType.AROUND)
+    HookRegistry.register(f"{TOPLOC}.builder_for_request", _paired, HookType.AROUND)
     if os.environ.get("SGLANG_RL_TOPLOC_PAIRED_CLONE"):
         HookRegistry.register(f"{PIPELINE}.keep_rows", _paired_keep, HookType.AROUND)

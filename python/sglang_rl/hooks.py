@@ -7,9 +7,14 @@ our function, and why. Nothing else in the package patches sglang.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+import logging
+from typing import Any, Callable, NamedTuple
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+from sglang_rl import __version__
+
+logger = logging.getLogger(__name__)
 
 SRT = "sglang.srt"
 SCHED = f"{SRT}.managers.scheduler_components"
@@ -25,7 +30,7 @@ class Hook(NamedTuple):
 
 def hook_table() -> list[Hook]:
     """All hooks of the plugin (imports are local so that importing this module stays cheap)."""
-    from sglang_rl.adapters import api, hidden_states, kcbs, last_layer_rows, openai, scheduler, speculative
+    from sglang_rl.adapters import api, hidden_states_api, kcbs, last_layer_rows, openai, scheduler, speculative
     from sglang_rl.adapters import cotrain, cotrain_api, cotrain_parallel, drafter_weights, drafter_weights_api
     from sglang_rl.adapters import drafter_save, drafter_save_api
     from sglang_rl.adapters import seeded_sampling, specforge_export, toploc, toploc_metrics
@@ -56,7 +61,7 @@ def hook_table() -> list[Hook]:
         Hook(f"{OPENAI}.serving_completions.OpenAIServingCompletion._convert_to_internal_request",
              AFTER, openai.completion_convert_after, "copy the fields to the internal request"),
         Hook(f"{SRT}.managers.tokenizer_manager.TokenizerManager._handle_batch_output", BEFORE,
-             hidden_states.orphaned_output_before,
+             hidden_states_api.orphaned_output_before,
              "sglang drops outputs of requests whose client went away: unlink their row files"),
         Hook(f"{SRT}.managers.tokenizer_manager.TokenizerManager.generate_request", AROUND,
              api.generate_request_around,
@@ -223,10 +228,31 @@ def hook_table() -> list[Hook]:
         Hook(f"{OPENAI}.serving_completions.OpenAIServingCompletion._generate_completion_stream",
              AROUND, openai.completion_stream_around, "add the fields to each choice's final chunk"),
         # --- observability -------------------------------------------------------------------
-        Hook(f"{SRT}.entrypoints.engine.Engine._launch_subprocesses", AFTER, toploc_metrics.server_started,
-             "once per server, with sglang's logging set up: the load line, the uncalibrated-bounds "
-             "warning, and the tokenizer manager's TOPLOC metrics (--enable-metrics)"),
+        Hook(f"{SRT}.entrypoints.engine.Engine._launch_subprocesses", AFTER, server_started,
+             "once per server, with sglang's logging set up: the plugin's load line (`server_started`), "
+             "then the uncalibrated-bounds warning and the tokenizer manager's TOPLOC metrics "
+             "(--enable-metrics)"),
     ]
+
+
+def server_started(result: Any, engine_cls: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER Engine._launch_subprocesses, in the launcher's process once its logging is set up
+    (plugins load before that, where an INFO line would be dropped): the plugin's load line, then
+    TOPLOC's start (`toploc_metrics.server_started`)."""
+    from sglang_rl.adapters import toploc_metrics
+
+    server_args = kwargs.get("server_args", args[0] if args else None)
+    if server_args is not None:
+        toploc = bool(getattr(server_args, "toploc_verification", False))
+        metrics = bool(getattr(server_args, "enable_metrics", False)) and toploc
+        logger.info("sglang-rl %s loaded (%d hooks): TOPLOC verification %s, drafter co-training %s, "
+                    "TOPLOC metrics %s", __version__, len(hook_table()), _on(toploc),
+                    _on(getattr(server_args, "drafter_cotrain", False)), _on(metrics))
+    toploc_metrics.server_started(result, engine_cls, *args, **kwargs)
+
+
+def _on(flag: Any) -> str:
+    return "on" if flag else "off"
 
 
 def register() -> None:

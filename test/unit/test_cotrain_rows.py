@@ -9,7 +9,8 @@ import random
 import torch
 
 from sglang_rl.adapters.cotrain_rows import CotrainRows
-from sglang_rl.adapters.hidden_states import RowCollector, add_decode_rows
+from sglang_rl.adapters.decode_step import add_decode_rows
+from sglang_rl.adapters.hidden_states import RowCollector
 from sglang_rl.hidden_states import HiddenStatesFormat, HiddenStatesMode, HiddenStatesOptions, HiddenStatesScope
 
 H = 8

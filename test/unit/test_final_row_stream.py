@@ -22,8 +22,7 @@ from sglang.srt.managers.scheduler_components.output_streamer import _Generation
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-from sglang_rl.adapters import hidden_states, scheduler, transport
-from sglang_rl.adapters.request_state import state_of
+from sglang_rl.adapters import hidden_states, hidden_states_api, scheduler, transport
 from sglang_rl.hidden_states import HiddenStatesFormat, HiddenStatesMode, HiddenStatesOptions, HiddenStatesScope
 
 PROMPT = [1, 2, 3, 4]
@@ -49,7 +48,7 @@ def _request(scope: HiddenStatesScope, last_n: int | None) -> Req:
                                last_n=last_n, final_row=True)
     collector = hidden_states.RowCollector(opts, len(PROMPT), MAX_NEW)
     collector.add_prefill(_rows_at(range(len(PROMPT))), last_chunk=True)
-    state_of(req).hidden_states = collector
+    collector.adopt(req)
     return req
 
 
@@ -105,7 +104,7 @@ def test_streamed_ids_are_those_whose_rows_are_delivered(server, runs, scope, la
         _step(server, req, list(range(token, token + n)), streamed, payload)
         token += n
     assert req.finished() and req.finished_len == MAX_NEW
-    out = hidden_states.deliver(payload[hidden_states.PAYLOAD_KEY])
+    out = hidden_states_api.deliver(payload[hidden_states_api.PAYLOAD_KEY])
 
     # the client gets the returned tokens only, never the overshoot of the last verify run
     assert streamed == list(req.output_ids[:MAX_NEW]) == list(range(100, 100 + MAX_NEW))

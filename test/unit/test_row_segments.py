@@ -76,7 +76,9 @@ def test_stale_handed_files_are_reaped(shm, monkeypatch):
 
 
 def test_collector_falls_back_to_memory_when_shared_memory_fails(shm, monkeypatch):
-    from sglang_rl.adapters.hidden_states import PAYLOAD_KEY, RowCollector, add_decode_rows, deliver
+    from sglang_rl.adapters.decode_step import add_decode_rows
+    from sglang_rl.adapters.hidden_states import PAYLOAD_KEY, RowCollector
+    from sglang_rl.adapters.hidden_states_api import deliver
 
     opts = HiddenStatesOptions(mode=HiddenStatesMode.FULL, format=HiddenStatesFormat.TENSOR,
                                scope=HiddenStatesScope.ALL)
@@ -99,7 +101,9 @@ def test_decode_steps_for_mixed_collectors(shm, monkeypatch, dtype):
     """`add_decode_rows` (the scheduler's per-step path) gives each collector its own row: FULL
     collectors through their files, LAST ones in memory; a file that cannot be made mid-run
     moves that collector to memory without losing rows."""
-    from sglang_rl.adapters.hidden_states import PAYLOAD_KEY, RowCollector, add_decode_rows, deliver
+    from sglang_rl.adapters.decode_step import add_decode_rows
+    from sglang_rl.adapters.hidden_states import PAYLOAD_KEY, RowCollector
+    from sglang_rl.adapters.hidden_states_api import deliver
 
     full = HiddenStatesOptions(mode=HiddenStatesMode.FULL, format=HiddenStatesFormat.TENSOR,
                                scope=HiddenStatesScope.ALL)
@@ -138,7 +142,9 @@ def test_speculative_steps_commit_runs_of_rows(shm, n_steps):
     first in its block of `stride` rows), and the last step may run past the finish that sglang
     decides afterwards: every scope must still deliver exactly the rows of committed positions,
     LAST after many trims included, and in-memory collectors must not keep whole steps alive."""
-    from sglang_rl.adapters.hidden_states import PAYLOAD_KEY, RowCollector, add_decode_rows, deliver
+    from sglang_rl.adapters.decode_step import add_decode_rows
+    from sglang_rl.adapters.hidden_states import PAYLOAD_KEY, RowCollector
+    from sglang_rl.adapters.hidden_states_api import deliver
 
     full = HiddenStatesOptions(mode=HiddenStatesMode.FULL, format=HiddenStatesFormat.TENSOR,
                                scope=HiddenStatesScope.ALL)
@@ -176,7 +182,8 @@ def test_speculative_steps_commit_runs_of_rows(shm, n_steps):
 def test_in_memory_rows_are_bounded(shm):
     """A last_n request copies its rows out of each step (it never holds a whole step's rows), and
     LAST holds references to at most a few recent steps."""
-    from sglang_rl.adapters.hidden_states import TRIM_SLACK, RowCollector, add_decode_rows
+    from sglang_rl.adapters.decode_step import add_decode_rows
+    from sglang_rl.adapters.hidden_states import TRIM_SLACK, RowCollector
 
     tail = HiddenStatesOptions(mode=HiddenStatesMode.FULL, format=HiddenStatesFormat.TENSOR,
                                scope=HiddenStatesScope.LAST_N, last_n=3)
@@ -196,7 +203,8 @@ def test_in_memory_rows_are_bounded(shm):
 def test_encoded_deliveries_do_not_share_the_reused_buffer(shm):
     """base64 and list deliveries read into one reusable buffer per thread: each result must stay
     its own after the next delivery overwrites that buffer."""
-    from sglang_rl.adapters.hidden_states import PAYLOAD_KEY, RowCollector, deliver
+    from sglang_rl.adapters.hidden_states import PAYLOAD_KEY, RowCollector
+    from sglang_rl.adapters.hidden_states_api import deliver
     from sglang_rl.hidden_states import decode_rows
 
     results, expected = [], []
@@ -220,7 +228,7 @@ def test_outputs_of_requests_whose_state_is_gone_unlink_their_files(shm):
     from sglang.srt.managers.io_struct import wrap_as_pickle
 
     from sglang_rl.adapters import transport
-    from sglang_rl.adapters.hidden_states import PAYLOAD_KEY, orphaned_output_before
+    from sglang_rl.adapters.hidden_states_api import PAYLOAD_KEY, orphaned_output_before
 
     handles = {}
     for rid in ("gone", "alive"):

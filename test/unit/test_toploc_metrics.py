@@ -1,4 +1,5 @@
-"""TOPLOC metrics and log lines (adapters/toploc_metrics.py), on real prometheus_client objects."""
+"""TOPLOC metrics and log lines (adapters/toploc_metrics.py; the plugin's load line, hooks.py), on real
+prometheus_client objects."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from sglang_rl.adapters import toploc_metrics
-from sglang_rl.adapters.toploc_metrics import ToplocMetrics, metrics_of, observe_output, server_started, verdict_of
+from sglang_rl.adapters.toploc_metrics import ToplocMetrics, metrics_of, observe_output, verdict_of
+from sglang_rl.hooks import server_started
 from sglang_rl.request_options import (
     FINGERPRINTS_FIELD,
     RESULT_FIELD,
@@ -133,7 +135,7 @@ def test_failures_are_logged_without_metrics(caplog) -> None:
 
 def test_server_start_logs_the_load_line_and_warns_about_uncalibrated_bounds(caplog) -> None:
     manager = SimpleNamespace(server_args=_args())
-    with caplog.at_level(logging.INFO, logger=toploc_metrics.__name__):
+    with caplog.at_level(logging.INFO, logger="sglang_rl"):
         server_started((manager, None, None), object, manager.server_args)
     loaded = [r for r in caplog.records if "sglang-rl" in r.getMessage() and "loaded" in r.getMessage()]
     assert len(loaded) == 1 and loaded[0].levelno == logging.INFO
@@ -147,7 +149,7 @@ def test_server_start_logs_the_load_line_and_warns_about_uncalibrated_bounds(cap
 def test_a_calibrated_server_starts_without_the_warning(caplog) -> None:
     args = _args(toploc_verification_calibration=str(CALIBRATION), enable_metrics=False)
     manager = SimpleNamespace(server_args=args)
-    with caplog.at_level(logging.INFO, logger=toploc_metrics.__name__):
+    with caplog.at_level(logging.INFO, logger="sglang_rl"):
         server_started((manager,), object, server_args=args)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert any("TOPLOC metrics off" in r.getMessage() for r in caplog.records)
@@ -156,7 +158,7 @@ def test_a_calibrated_server_starts_without_the_warning(caplog) -> None:
 
 def test_bounds_set_by_flags_are_still_uncalibrated(caplog) -> None:
     args = _args(toploc_verification_max_exp_mismatches=50)
-    with caplog.at_level(logging.WARNING, logger=toploc_metrics.__name__):
+    with caplog.at_level(logging.WARNING, logger="sglang_rl"):
         server_started(None, object, args)
     assert any("uncalibrated, set by flags" in r.getMessage() and "max_exp_mismatches=50" in r.getMessage()
                for r in caplog.records)

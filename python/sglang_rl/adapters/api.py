@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator, Callable, Optional
 
 from sglang.srt.managers.io_struct import GenerateReqInput
 
-from sglang_rl.adapters import hidden_states as hs_adapter
+from sglang_rl.adapters import hidden_states_api as hs_adapter
 from sglang_rl.adapters import rollout_records, toploc_metrics, transport
 from sglang_rl.adapters.kcbs_manager import CANDIDATES_FIELD
 from sglang_rl.adapters.request_plan import implicit_prompt_ids, item_plan, prepare_request

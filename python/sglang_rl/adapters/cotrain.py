@@ -34,7 +34,7 @@ from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 from sglang_rl.adapters.cotrain_metrics import CotrainMetrics
 from sglang_rl.adapters import cotrain_parallel as parallel
 from sglang_rl.adapters.cotrain_rows import CotrainRows
-from sglang_rl.adapters.request_state import cotrain_rows_of, kcbs_beam_of, kcbs_search_of, state_of
+from sglang_rl.adapters.request_state import kcbs_beam_of, kcbs_search_of, state_of
 from sglang_rl.adapters.cotrain_config import config_from_args
 from sglang_rl.adapters.cotrain_idle import idle_event, note_idle, weights_released
 from sglang_rl.drafter.cotrain import (
@@ -127,26 +127,26 @@ class CotrainRuntime:
         it opted out (a k-CBS request has none: its output is assembled from its beams, which are
         internal requests and never counted). A retracted request queued again keeps its own."""
         state = state_of(req)
-        if not self.sends_rows or state.cotrain_runtime is not None or kcbs_beam_of(req) is not None:
+        if not self.sends_rows or self in state.adopters or kcbs_beam_of(req) is not None:
             return
-        state.cotrain_runtime = self
+        rows = None
         options = options_of(getattr(req.sampling_params, "custom_params", None))
         if kcbs_search_of(req) is None and not options.get(OPT_OUT_KEY):
-            state.cotrain_rows = CotrainRows(len(req.origin_input_ids), self.window)
+            rows = CotrainRows(len(req.origin_input_ids), self.window)
+            state.add_rows(rows)
             req.return_hidden_states_mode = max(req.return_hidden_states_mode, CaptureHiddenMode.LAST)
+        state.adopters[self] = rows
 
-    def finished(self, req: Any) -> None:
-        """Count the request's acceptance; post its sample unless it opted out or was aborted."""
+    def finished(self, req: Any, rows: Optional[CotrainRows]) -> None:
+        """Count the request's acceptance; post its sample (`rows`, None when it opted out) unless
+        it was aborted."""
         from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
-        state = state_of(req)
-        if state.cotrain_counted or isinstance(req.finished_reason, FINISH_ABORT):
+        if isinstance(req.finished_reason, FINISH_ABORT):
             return
-        state.cotrain_counted = True
         self.served_since_update = True
         steps = int(getattr(req, "spec_verify_ct", 0) or 0)
         tokens = len(req.output_ids_through_stop)
-        rows: Optional[CotrainRows] = cotrain_rows_of(req)
         (self.held_out if rows is None else self.acceptance)[-1].add(tokens, steps)
         if rows is None or rows.done:
             return
@@ -360,6 +360,13 @@ def stats_request(scheduler: Any, req: CotrainStatsReqInput) -> GetWeightsByName
     return GetWeightsByNameReqOutput(parameter=stats)
 
 
+def swap_request(scheduler: Any, req: parallel.CotrainSwapReqInput) -> None:
+    """Every TP rank, in the same iteration: load the round its rank 0 asked for."""
+    rt = runtime_of(scheduler)
+    if rt is not None and rt.swap is not None:
+        rt.swap.swap(rt, scheduler, req.draft_round)
+
+
 def request_dispatcher_after(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER Scheduler.init_request_dispatcher: answer the stats request."""
     from sglang.srt.managers.io_struct import hook_custom_types
@@ -368,7 +375,7 @@ def request_dispatcher_after(result: Any, scheduler: Any, *args: Any, **kwargs: 
     hook_custom_types(CotrainStatsReqInput, parallel.CotrainSwapReqInput)
     scheduler._request_dispatcher += TypeBasedDispatcher([
         (CotrainStatsReqInput, partial(stats_request, scheduler)),
-        (parallel.CotrainSwapReqInput, partial(parallel.swap_request, scheduler))])
+        (parallel.CotrainSwapReqInput, partial(swap_request, scheduler))])
 
 
 def process_input_requests_before(scheduler: Any, *args: Any, **kwargs: Any) -> None:

@@ -177,15 +177,6 @@ class TpSwap:
                 pass
 
 
-def swap_request(scheduler: Any, req: CotrainSwapReqInput) -> None:
-    """Every TP rank, in the same iteration: load the round its rank 0 asked for."""
-    from sglang_rl.adapters.cotrain import runtime_of
-
-    rt = runtime_of(scheduler)
-    if rt is not None and rt.swap is not None:
-        rt.swap.swap(rt, scheduler, req.draft_round)
-
-
 def check_tp_agree(scheduler: Any) -> None:
     """Every TP rank must see the same draft (names and full shapes): a round is one set of
     full tensors. RuntimeError with the difference otherwise (the server does not start)."""

@@ -12,8 +12,9 @@ from typing import Any, Optional
 
 import torch
 
-from sglang_rl.adapters.hidden_states import join_prefill_chunks
+from sglang_rl.adapters.decode_step import DecodeStep
 from sglang_rl.drafter.cotrain import RolloutSample
+from sglang_rl.hidden_states.prefill_chunks import join_prefill_chunks
 
 
 class CotrainRows:
@@ -21,14 +22,13 @@ class CotrainRows:
 
     Rows are kept as runs `(block, first, count, position)`, rows `block[first:first+count]` at
     positions `position..`: a decode step's run references the step's one copy of the kept rows
-    that every request of the step shares (`add_decode_rows`), so keeping costs no tensor op per
-    request (benchmark/bench_cotrain_host.py). It has the routing interface of `RowCollector`."""
+    that every request of the step shares (`DecodeStep.keep_copy`), so keeping costs no tensor op
+    per request (benchmark/bench_cotrain_host.py). It is a `RowSink` (adapters/request_state.py)."""
 
     stores = True  # only a rank that sends outputs creates one (`CotrainRuntime.adopt`)
-    segments = None  # never files
-    takes_references = False  # add_decode_rows gives it runs of the step's kept rows
     needs_prompt_rows = True  # the prompt's rows train too, as far as the window reaches
     takes_captured_rows = True  # what the draft reads: an EAGLE3 target's auxiliary layers
+    wants_final_row = False  # the last token's row would predict a token that was never sampled
 
     def __init__(self, prompt_len: int, window: int) -> None:
         self.prompt_len = prompt_len
@@ -52,6 +52,10 @@ class CotrainRows:
             end = self.prompt_len if end is None else end
             block = block[-self.window:].clone()  # never hold a view of a whole batch's rows
             self.keep_run(block, 0, block.shape[0], end - block.shape[0])
+
+    def add_decode(self, step: DecodeStep, start: int, count: int, position: int) -> None:
+        """Rows of a decode step: a run of the step's one shared copy."""
+        step.keep_copy(self.keep_run, start, count, position)
 
     def keep_run(self, kept: torch.Tensor, first: int, count: int, position: int) -> None:
         """Rows `kept[first:first+count]` at positions from `position`. Whole old runs go once the

@@ -1,13 +1,11 @@
-"""Scheduler side of hidden-state delivery for EAGLE co-training.
+"""Scheduler side of the hidden-state fields: each request's rows, kept until it finishes.
 
 A request that uses the sglang-rl fields (format / scope / last_n / final row) raises only its
 own CaptureHiddenMode and never sets upstream's `return_hidden_states`, so no per-token
 `.tolist()` runs. Its rows arrive on the host with sglang's own batched, asynchronous copy of the
 batch results (pinned memory). FULL rows are appended, tagged with their token positions, to the
-request's shared-memory files; at finish the scheduler posts only a file handle, and the API
-process (`deliver`) maps the rows, selects the scope and encodes them: raw little-endian bytes in
-base64, upstream-style lists, or tensors for the in-process Engine. The scheduler thread never
-encodes, and megabytes of rows never travel through the detokenizer.
+request's shared-memory files; at finish the scheduler posts only a file handle (or the few rows
+kept in memory), which the API process delivers (`adapters.hidden_states_api`).
 
 Positions: the row at position p is the lm_head input computed with token p as input. Prefill
 rows cover [L - R, L) (R rows computed; the prefix cache is capped so scope "all" recomputes the
@@ -24,65 +22,29 @@ from typing import Any, Callable, Optional
 import torch
 
 from sglang.srt.managers.schedule_batch import FINISH_ABORT
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 
 from sglang_rl.adapters import transport
-from sglang_rl.hidden_states import (
-    HiddenStatesFormat,
-    HiddenStatesMode,
-    HiddenStatesOptions,
-    HiddenStatesScope,
-    encode_rows,
-    rows_to_list,
-    select_positions,
-)
-from sglang_rl.hidden_states.packing import host_view
-from sglang_rl.hidden_states.row_segments import RowSegments, discard_handle, read_rows, shm_dir
-from sglang_rl.request_options import (
-    HIDDEN_STATES_ERROR_FIELD as ERROR_FIELD,
-    HIDDEN_STATES_POSITIONS_FIELD as POSITIONS_FIELD,
-    HIDDEN_STATES_ROWS_FIELD as ROWS_FIELD,
-)
+from sglang_rl.adapters.decode_step import DecodeStep
+from sglang_rl.adapters.request_state import peek, state_of
+from sglang_rl.hidden_states import HiddenStatesMode, HiddenStatesOptions, HiddenStatesScope, select_positions
+from sglang_rl.hidden_states.options_entry import options_from_entry
+from sglang_rl.hidden_states.prefill_chunks import join_prefill_chunks
+from sglang_rl.hidden_states.row_segments import RowSegments, read_rows, shm_dir
 
 logger = logging.getLogger(__name__)
 
-# custom_params["sglang_rl"] keys
 TRIM_SLACK = 16  # in-memory rows kept beyond the wanted ones before a trim (see RowCollector._trim)
-KEYS = ("hs_mode", "hs_format", "hs_scope", "hs_last_n", "hs_final")
 PAYLOAD_KEY = "hidden_states_payload"
 
 
-def options_to_entry(opts: HiddenStatesOptions) -> dict:
-    """Flatten validated options into JSON scalars for custom_params."""
-    return {
-        "hs_mode": opts.mode.value,
-        "hs_format": opts.format.value,
-        "hs_scope": opts.scope.value,
-        "hs_last_n": opts.last_n,
-        "hs_final": opts.final_row,
-    }
-
-
-def options_from_entry(entry: dict) -> Optional[HiddenStatesOptions]:
-    if "hs_mode" not in entry:
-        return None
-    return HiddenStatesOptions(
-        mode=HiddenStatesMode(entry["hs_mode"]),
-        format=HiddenStatesFormat(entry["hs_format"]),
-        scope=HiddenStatesScope(entry["hs_scope"]),
-        last_n=entry.get("hs_last_n"),
-        final_row=bool(entry.get("hs_final")),
-    )
-
-
-def join_prefill_chunks(pending: list[torch.Tensor], rows: torch.Tensor, last_chunk: bool) -> Optional[torch.Tensor]:
-    """Collect one prefill chunk's rows in `pending`; on the last chunk, all of them as one block
-    (pending is emptied). A middle chunk may be a view of its batch's rows: it is kept as a copy."""
-    pending.append(rows if last_chunk else rows.clone())
-    if not last_chunk:
-        return None
-    block = torch.cat(pending) if len(pending) > 1 else pending[0]
-    pending.clear()
-    return block
+def adopt(req: Any, options: dict, stores: bool) -> None:
+    """A new request whose options ask for hidden states gets its collector (`stores`: this rank
+    sends outputs)."""
+    hs_options = options_from_entry(options)
+    if hs_options is not None and hs_options.enabled:
+        RowCollector(hs_options, len(req.origin_input_ids), req.sampling_params.max_new_tokens,
+                     stores=stores).adopt(req)
 
 
 class RowCollector:
@@ -110,10 +72,34 @@ class RowCollector:
             expected = (prompt_len if options.scope is HiddenStatesScope.ALL else 1) + 1
             self.segments = RowSegments(expected + min(max_new_tokens or 256, 4096))
         self._prefill: list[torch.Tensor] = []
-        self.deferred: Optional[tuple] = None
-        self.final_step_done = False
         self.has_final_row = False
         self.done = False
+
+    def adopt(self, req: Any) -> None:
+        """The request's rows come here, and its finish (`finished`); its capture mode rises to
+        what the options need."""
+        needed = CaptureHiddenMode.FULL if self.needs_prompt_rows else CaptureHiddenMode.LAST
+        req.return_hidden_states_mode = max(req.return_hidden_states_mode, needed)
+        state = state_of(req)
+        state.add_rows(self)
+        state.adopters[self] = None
+
+    def finished(self, req: Any, kept: Any = None) -> None:
+        """Hand the rows to the response (an aborted request's are dropped)."""
+        if self.done or not self.stores:
+            return
+        if isinstance(req.finished_reason, FINISH_ABORT):
+            self.discard()
+            return
+        state = peek(req)
+        if state is not None and state.final_row:
+            self.has_final_row = True
+        transport.post(req, **self.finish(len(req.output_ids_through_stop)))
+
+    @property
+    def wants_final_row(self) -> bool:
+        """return_final_hidden_state: the request runs one extra decode step for this row."""
+        return self.options.final_row
 
     @property
     def takes_references(self) -> bool:
@@ -143,6 +129,17 @@ class RowCollector:
             end = self.prompt_len if end is None else end
             self._add(block, range(end - block.shape[0], end))
 
+    def add_decode(self, step: DecodeStep, start: int, count: int, position: int) -> None:
+        """Rows of a decode step: written to this request's files from the step's one host view,
+        else kept by reference (LAST) or as a run of the step's one shared copy."""
+        if self.segments is not None and self._to_files(lambda segments: segments.append_host(
+                step.host_view()[start:start + count], range(position, position + count), step.rows.dtype)):
+            return
+        if self.takes_references:
+            self.add_step_rows(step.rows, start, count, position)
+        else:
+            step.keep_copy(self.keep_run, start, count, position)
+
     def add_step_rows(self, rows: torch.Tensor, start: int, count: int, position: int) -> None:
         """LAST: rows `start .. start+count-1` of a decode step's host rows, at consecutive
         positions from `position`, kept by reference (the step's rows stay alive for at most a
@@ -153,7 +150,7 @@ class RowCollector:
         self._trim(count)
 
     def keep_run(self, kept: torch.Tensor, first: int, count: int, position: int) -> None:
-        """Rows `kept[first:first+count]` of a step's kept rows (`add_decode_rows`), at positions
+        """Rows `kept[first:first+count]` of a step's shared copy (`DecodeStep.keep_copy`), at positions
         from `position`."""
         self.keep_block(kept[first:first + count], position)
 
@@ -241,39 +238,6 @@ class RowCollector:
         self.rows, self.positions = [], []
 
 
-def add_decode_rows(items: list[tuple[RowCollector, int, int, int]], rows: torch.Tensor) -> None:
-    """One decode step's rows (host `[n, H]`): item `(collector, start, count, position)` gives
-    the collector rows `start .. start+count-1` at positions `position ..` (count > 1 when a
-    speculative step commits several tokens).
-
-    Collectors with files get their rows as one numpy copy from a single host view of the whole
-    step (a tensor op per request and row cost ~25 us, i.e. ~10% of a 64-request 8B decode step);
-    LAST collectors take references (`add_step_rows`); the other in-memory ones (last_n, and
-    co-training's windows) share one copy of the step's rows, taken in one `index_select` instead
-    of a copy per request, and each keeps its run of it (`keep_run`; benchmark/bench_cotrain_host.py)."""
-    view = None
-    copied: list[tuple[RowCollector, int, int, int]] = []
-    for collector, start, count, position in items:
-        if collector.segments is not None:
-            if view is None:
-                view = host_view(rows)
-            if collector._to_files(lambda segments: segments.append_host(
-                    view[start:start + count], range(position, position + count), rows.dtype)):
-                continue
-        if collector.takes_references:
-            collector.add_step_rows(rows, start, count, position)
-        else:
-            copied.append((collector, start, count, position))
-    if not copied:
-        return
-    index = torch.tensor([start + j for _, start, count, _ in copied for j in range(count)], device=rows.device)
-    kept = rows.index_select(0, index)
-    offset = 0
-    for collector, _, count, position in copied:
-        collector.keep_run(kept, offset, count, position)
-        offset += count
-
-
 _warned = False
 
 
@@ -284,66 +248,3 @@ def _warn_shm_full(exc: OSError) -> None:
         logger.warning("sglang-rl: no room for hidden-state rows in %s (%s); keeping rows in "
                        "process memory (slower handoff). Enlarge /dev/shm or set SGLANG_RL_SHM_DIR.",
                        shm_dir(), exc)
-
-
-def finish_collectors(items: list[tuple[RowCollector, Any]]) -> None:
-    """Hand the rows of every finishing request to its response (aborted ones are dropped)."""
-    for collector, req in items:
-        if isinstance(req.finished_reason, FINISH_ABORT):
-            collector.discard()
-            continue
-        transport.post(req, **collector.finish(len(req.output_ids_through_stop)))
-
-
-def encodes(payload: Any) -> bool:
-    """Whether delivering this payload encodes rows to base64 (the costly format)."""
-    return isinstance(payload, dict) and payload.get("format") == HiddenStatesFormat.BASE64.value
-
-
-def deliver(payload: dict) -> dict:
-    """API side: select the wanted rows and encode them in the requested format."""
-    wanted = payload["wanted"]
-    fmt = HiddenStatesFormat(payload["format"])
-    if "handle" in payload:
-        # tensors keep their mapped files; base64 and lists are encoded before this returns, so
-        # they read into the delivering thread's reusable buffer
-        encoded = fmt is not HiddenStatesFormat.TENSOR
-        rows, positions = read_rows(payload["handle"], load=encoded, scratch=encoded)
-    else:
-        rows, positions = payload["rows"], payload["positions"]
-    index = {p: i for i, p in enumerate(positions)}
-    missing = [p for p in wanted if p not in index]
-    if missing:
-        return {ERROR_FIELD: f"rows for positions {missing[:8]} were not captured"}
-    pick = [index[p] for p in wanted]
-    if not pick:
-        rows = torch.empty(0, rows.shape[-1] if rows is not None else 0)
-    elif pick != list(range(pick[0], pick[0] + len(pick))):
-        rows = rows.index_select(0, torch.tensor(pick))
-    else:
-        rows = rows[pick[0]:pick[0] + len(pick)]
-    if fmt is HiddenStatesFormat.BASE64:
-        return {ROWS_FIELD: encode_rows(rows, wanted)}
-    if fmt is HiddenStatesFormat.TENSOR:
-        return {ROWS_FIELD: rows, POSITIONS_FIELD: wanted}
-    return {ROWS_FIELD: rows_to_list(rows), POSITIONS_FIELD: wanted}
-
-
-def orphaned_output_before(manager: Any, recv_obj: Any) -> None:
-    """BEFORE TokenizerManager._handle_batch_output: sglang drops an output whose request state
-    is gone (its client went away while the output was in flight), so nobody would read that
-    request's row files: unlink them now rather than at the writer's stale-file reaper."""
-    rids = getattr(recv_obj, "rids", None) or ()
-    gone = [i for i, rid in enumerate(rids) if rid not in manager.rid_to_state]
-    info = getattr(recv_obj, "customized_info", None)
-    if not gone or info is None:
-        return None
-    from sglang.srt.managers.io_struct import unwrap_from_pickle
-
-    entries = (unwrap_from_pickle(info) or {}).get(transport.KEY) or []
-    for i in gone:
-        for payload in (entries[i] if i < len(entries) else None) or ():
-            rows = payload.get(PAYLOAD_KEY) if isinstance(payload, dict) else None
-            if isinstance(rows, dict) and isinstance(rows.get("handle"), dict):
-                discard_handle(rows["handle"])
-    return None

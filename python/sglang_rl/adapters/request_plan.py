@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 from sglang.srt.managers.io_struct import GenerateReqInput
 
-from sglang_rl.adapters import hidden_states as hs_adapter
+from sglang_rl.hidden_states.options_entry import options_to_entry
 from sglang_rl.fingerprint.sampling import DEFAULT_MAX_Z
 from sglang_rl.fingerprint.sampling import TOP_N as SAMPLING_TOP_N
 from sglang_rl.fingerprint.seeded_sampling import TOP_N as SEEDED_TOP_N
@@ -238,7 +238,7 @@ def _hidden_states_entry(plan: ItemPlan, fields: dict, server_args: Any, in_proc
     if opts is None:
         return {}
     plan.return_hidden_states = False
-    return hs_adapter.options_to_entry(opts)
+    return options_to_entry(opts)
 
 
 def _prepare_verification(plan: ItemPlan, params: dict, entry: dict, internal: dict,

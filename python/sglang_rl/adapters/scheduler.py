@@ -14,22 +14,15 @@ from typing import Any, Callable
 import torch
 
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
-from sglang.srt.runtime_context import get_parallel, get_server_args
+from sglang.srt.runtime_context import get_server_args
 
 from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
 from sglang_rl.adapters import hidden_states, kcbs, toploc, transport
+from sglang_rl.adapters.decode_step import add_decode_rows
 from sglang_rl.adapters.last_layer_rows import last_layer_rows, set_last_layer_rows
-from sglang_rl.adapters.request_state import (
-    cotrain_rows_of,
-    fingerprint_of,
-    hidden_states_of,
-    kcbs_beam_of,
-    peek,
-    kcbs_search_of,
-    state_of,
-)
-from sglang_rl.fingerprint.builder import FingerprintBuilder
+from sglang_rl.adapters.request_state import RowSink, kcbs_beam_of, kcbs_search_of, peek, state_of
+from sglang_rl.adapters.transport import sends_outputs
 from sglang_rl.fingerprint.row_store import pick_rows
 from sglang_rl.request_options import SEEDED_SAMPLING_KEY, options_of
 
@@ -40,15 +33,6 @@ def server_capture_mode_after(result: CaptureHiddenMode, server_args: Any) -> Ca
     if getattr(server_args, "toploc_verification", False) or getattr(server_args, "drafter_cotrain", False):
         return max(result, CaptureHiddenMode.LAST)
     return result
-
-
-def sends_outputs() -> bool:
-    """Only the first rank of each attention-TP group streams outputs; other ranks hold the same
-    rows and skip the work (no host copies, no proofs) on them."""
-    try:
-        return get_parallel().attn_tp_rank == 0
-    except Exception:
-        return True
 
 
 def req_init_after(result: None, req: Any, *args: Any, **kwargs: Any) -> None:
@@ -62,47 +46,23 @@ def req_init_after(result: None, req: Any, *args: Any, **kwargs: Any) -> None:
         state_of(req).kcbs_search = kcbs.KcbsSearch(req, *search)
         return
     sends = sends_outputs()
-    state = toploc.state_for_request(options, get_server_args())
-    if state is not None:
-        needed = (
-            CaptureHiddenMode.FULL
-            if isinstance(state, toploc.PrefillVerification)
-            else CaptureHiddenMode.LAST
-        )
-        req.return_hidden_states_mode = max(req.return_hidden_states_mode, needed)
-        if sends:
-            state_of(req).fingerprint = state
-    hs_options = hidden_states.options_from_entry(options)
-    if hs_options is not None and hs_options.enabled:
-        collector = hidden_states.RowCollector(
-            hs_options, len(req.origin_input_ids), req.sampling_params.max_new_tokens, stores=sends)
-        needed = CaptureHiddenMode.FULL if collector.needs_prompt_rows else CaptureHiddenMode.LAST
-        req.return_hidden_states_mode = max(req.return_hidden_states_mode, needed)
-        state_of(req).hidden_states = collector
+    toploc.adopt(req, options, get_server_args(), sends)
+    hidden_states.adopt(req, options, sends)
     if options.get(SEEDED_SAMPLING_KEY):
         state_of(req).seeded_sampling_seed = getattr(req.sampling_params, "sampling_seed", None)
 
 
-def _row_collectors(req: Any) -> list:
-    """The row collectors of a request: user-requested rows and co-training rows."""
-    found = []
-    collector = hidden_states_of(req)
-    if collector is not None:
-        found.append(collector)
-    rows = cotrain_rows_of(req)
-    if rows is not None:
-        found.append(rows)
+def _row_sinks(req: Any) -> list[RowSink]:
+    """The sinks of a request's rows (hidden-state fields, co-training, SpecForge export, ...)."""
     state = peek(req)
-    if state is not None and state.specforge_rows is not None:
-        found.extend(state.specforge_rows)
-    return found
+    return [] if state is None else state.rows
 
 
 def max_prefix_len_around(original: Callable, req: Any, *args: Any, **kwargs: Any) -> int:
     """AROUND Req._compute_max_prefix_len: a request that wants prompt rows must recompute them,
     so the radix cache may only serve the prefix before the first wanted row."""
     result = original(req, *args, **kwargs)
-    limits = [limit for c in _row_collectors(req) if (limit := c.prefix_limit()) is not None]
+    limits = [limit for c in _row_sinks(req) if (limit := c.prefix_limit()) is not None]
     return min([result, *limits])
 
 
@@ -113,22 +73,21 @@ def update_finish_state_around(original: Callable, req: Any, *args: Any, **kwarg
     finished_len stays set through the extra step, because sglang streams an unfinished request's
     `output_ids_through_stop` in that step, and without it a speculative overshoot (tokens of the
     last verify run past the finish) would go out to the client, one token more than the rows."""
-    collector = hidden_states_of(req)
-    if collector is None or not collector.options.final_row:
+    state = peek(req)
+    if state is None or not state.wants_final_row:
         return original(req, *args, **kwargs)
-    if collector.deferred is not None:
-        req.finished_reason, req.finished_len = collector.deferred
-        collector.deferred = None
-        collector.final_step_done = True
-        collector.has_final_row = True
+    if state.deferred_finish is not None:
+        req.finished_reason, req.finished_len = state.deferred_finish
+        state.deferred_finish = None
+        state.final_row = True
         return None
     result = original(req, *args, **kwargs)
-    if (req.finished() and not collector.final_step_done
+    if (req.finished() and not state.final_row
             and not isinstance(req.finished_reason, FINISH_ABORT) and req.output_ids):
         finished_len = req.finished_len if req.finished_len is not None else len(req.output_ids)
         if finished_len == 0 or req.sampling_params.max_new_tokens == 0:
             return result  # a prefill-only request generated nothing: no final token, no extra step
-        collector.deferred = (req.finished_reason, finished_len)
+        state.deferred_finish = (req.finished_reason, finished_len)
         req.finished_reason = None
         req.finished_len = finished_len
     return result
@@ -148,7 +107,7 @@ def _hidden_rows(batch: Any, result: Any) -> tuple[torch.Tensor | None, torch.Te
     return last_layer_rows(logits_output), logits_output.hidden_states
 
 
-def _rows_for(collector: Any, last: torch.Tensor, captured: torch.Tensor) -> torch.Tensor:
+def _rows_for(collector: RowSink, last: torch.Tensor, captured: torch.Tensor) -> torch.Tensor:
     """Co-training rows are what the draft reads (the captured ones); every other collector's are
     the last layer's."""
     return captured if collector.takes_captured_rows else last
@@ -213,9 +172,10 @@ def prefill_result_around(original: Callable, processor: Any, batch: Any, result
             n = result.extend_input_len_per_req[i] if full else 1
             lo, hi = offset, offset + n
             offset = hi
-            if (req.finished() and req.inflight_middle_chunks <= 0) or req.is_retracted:
+            state = peek(req)
+            if state is None or (req.finished() and req.inflight_middle_chunks <= 0) or req.is_retracted:
                 continue
-            for collector in _row_collectors(req):
+            for collector in state.rows:
                 if collector.done or not collector.stores:
                     continue
                 last_chunk = req.inflight_middle_chunks <= 0
@@ -225,13 +185,11 @@ def prefill_result_around(original: Callable, processor: Any, batch: Any, result
                     collector.add_prefill(_take(rows, range(lo, hi)), last_chunk, end)
                 elif last_chunk:
                     collector.add_prefill(_take(rows, [hi - 1]), True, end)
-            state = fingerprint_of(req)
-            if state is None or state.done:
-                continue
-            if isinstance(state, toploc.PrefillVerification):
-                state.add_rows(_take(hidden, range(lo, hi)))
-            elif isinstance(state, FingerprintBuilder) and req.inflight_middle_chunks <= 0:
-                builders.append(state)
+            verification, builder = state.verification, state.fingerprint
+            if verification is not None and not verification.done:
+                verification.add_rows(_take(hidden, range(lo, hi)))
+            elif builder is not None and not builder.done and req.inflight_middle_chunks <= 0:
+                builders.append(builder)
                 last_rows.append(hi - 1)
         pipeline = toploc.processor_pipeline(processor)
         if pipeline is not None and (builders or pipeline.holds_requests()):  # a prefill step counts too
@@ -263,30 +221,31 @@ def decode_result_around(original: Callable, processor: Any, batch: Any, result:
             rows = _rows_for(item[0], hidden, captured)
             groups.setdefault(id(rows), (rows, []))[1].append(item)
         for rows, group in groups.values():
-            hidden_states.add_decode_rows(group, _private_host_rows(rows, processor))
+            add_decode_rows(group, _private_host_rows(rows, processor))
     return original(processor, batch, result)
 
 
 def decode_routes(reqs: list, stride: int, accepted: list[int] | None
                   ) -> tuple[list, list[int], list[int], list]:
-    """`toploc.decode_builders` on a server whose requests may also have row collectors
-    (hidden-state fields, co-training): those collectors too, each with its run and the run's
-    position."""
+    """`toploc.decode_builders` on a server whose requests may also have row sinks (hidden-state
+    fields, co-training): those sinks too, each with its run and the run's position."""
     builders, starts, counts, collectors = [], [], [], []
     for i, req in enumerate(reqs):
+        state = peek(req)
+        if state is None:
+            continue
         count = accepted[i] if accepted is not None else 1
-        for rows_of in _row_collectors(req):
+        for rows_of in state.rows:
             if rows_of.stores and not rows_of.done and not (req.finished() or req.is_retracted):
                 position = len(req.origin_input_ids) + len(req.output_ids) - 1
                 collectors.append((rows_of, i * stride, count, position))
-        collector = hidden_states_of(req)
-        state = fingerprint_of(req)
+        builder = state.fingerprint
         # the deferred step of return_final_hidden_state samples a token that is never
         # returned: its row must not enter the fingerprint, which covers output_ids only
-        if (isinstance(state, FingerprintBuilder) and not state.done
+        if (builder is not None and not builder.done
                 and not (req.finished() or req.is_retracted)
-                and (collector is None or collector.deferred is None)):
-            builders.append(state)
+                and state.deferred_finish is None):
+            builders.append(builder)
             starts.append(i * stride)
             counts.append(count)
     return builders, starts, counts, collectors
@@ -333,30 +292,29 @@ def _finish_rows(reqs: list, pipeline: Any) -> None:
     finished = [req for req in reqs if req.finished()]  # this runs at every step, for every request
     if not finished:
         return
-    finishing, collectors = [], []
+    finishing = []
     for req in finished:
-        adopted = peek(req)
-        for adopter in (adopted.cotrain_runtime, adopted.specforge_export) if adopted is not None else ():
-            if adopter is not None:  # the co-training runtime counts it, the SpecForge export writes it
-                adopter.finished(req)
-        state = fingerprint_of(req)
-        if isinstance(state, FingerprintBuilder) and not state.done:
-            finishing.append((state, req))
-        collector = hidden_states_of(req)
-        if collector is not None and not collector.done and collector.stores:
-            collectors.append((collector, req))
+        state = peek(req)
+        if state is None:
+            continue
+        if state.adopters:  # each adopter hears of the finish once (the SpecForge export writes it, ...)
+            adopted, state.adopters = state.adopters, {}
+            for adopter, kept in adopted.items():
+                adopter.finished(req, kept)
+        builder = state.fingerprint
+        if builder is not None and not builder.done:
+            finishing.append((builder, req))
     if finishing:
         toploc.finish_builders(pipeline, finishing)
-    hidden_states.finish_collectors(collectors)
 
 
 def output_accept_around(original: Callable, accumulator: Any, *args: Any, **kwargs: Any) -> None:
     """AROUND _GenerationStreamAccumulator.accept: finalise results of finished requests, then
     send whatever the request has queued along with this output."""
     req = kwargs.get("req", args[0] if args else None)
-    state = fingerprint_of(req)
+    state = peek(req)
     # sglang offers every running request to the accumulator at every step: a generating one's
     # fingerprint is posted by `_finish_rows`, so only verification requests go further here
-    if state is not None and not isinstance(state, FingerprintBuilder):
-        toploc.finish_verification(state, req)
+    if state is not None and state.verification is not None:
+        state.verification.post_report(req)
     transport.accept_around(original, accumulator, *args, **kwargs)

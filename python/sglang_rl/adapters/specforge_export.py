@@ -28,7 +28,8 @@ import torch
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 
 from sglang_rl.adapters.cotrain_rows import CotrainRows
-from sglang_rl.adapters.request_state import kcbs_beam_of, kcbs_search_of, peek, state_of
+from sglang_rl.adapters.request_state import kcbs_beam_of, kcbs_search_of, state_of
+from sglang_rl.adapters.transport import sends_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -77,20 +78,20 @@ class SpecForgeExport:
         """A generation the scheduler queues gets its two row windows (k-CBS beams and searches
         have no rows of their own); its prompt rows are wanted, so its capture mode is FULL."""
         state = state_of(req)
-        if state.specforge_rows is not None or kcbs_beam_of(req) is not None or kcbs_search_of(req) is not None:
+        if self in state.adopters or kcbs_beam_of(req) is not None or kcbs_search_of(req) is not None:
             return
         prompt = len(req.origin_input_ids)
-        state.specforge_export = self
-        state.specforge_rows = (CotrainRows(prompt, self.window), LastLayerRows(prompt, self.window))
+        rows = (CotrainRows(prompt, self.window), LastLayerRows(prompt, self.window))
+        state.add_rows(*rows)
+        state.adopters[self] = rows
         req.return_hidden_states_mode = max(req.return_hidden_states_mode, CaptureHiddenMode.FULL)
 
-    def finished(self, req: Any) -> None:
-        """A finished request: its record goes to the writer (an aborted one is dropped)."""
+    def finished(self, req: Any, rows: tuple[CotrainRows, LastLayerRows]) -> None:
+        """A finished request: the record of its two row windows (`rows`) goes to the writer (an
+        aborted one is dropped)."""
         from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
-        state = peek(req)
-        rows = state.specforge_rows if state is not None else None
-        if rows is None or rows[0].done:
+        if rows[0].done:
             return
         for window in rows:
             window.close(req, 0)
@@ -138,8 +139,6 @@ def export_of(scheduler: Any) -> Optional[SpecForgeExport]:
 def scheduler_init_after(result: Any, scheduler: Any, server_args: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER Scheduler.__init__: the export of a server started with --specforge-export-dir (on the
     rank that sends outputs; the other TP ranks hold the same rows)."""
-    from sglang_rl.adapters.scheduler import sends_outputs
-
     directory = getattr(server_args, "specforge_export_dir", None)
     if not directory or export_of(scheduler) is not None or not sends_outputs():
         return

@@ -24,9 +24,10 @@ import torch
 
 from sglang.srt.managers.schedule_batch import FINISH_ABORT
 from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOutputStreamer
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 
 from sglang_rl.adapters import transport
-from sglang_rl.adapters.request_state import fingerprint_of
+from sglang_rl.adapters.request_state import peek, state_of
 from sglang_rl.fingerprint import Fingerprint, FingerprintError, Thresholds, decode_fingerprint, verify_rows
 from sglang_rl.fingerprint.builder import FingerprintBuilder
 from sglang_rl.fingerprint.calibration import UNCALIBRATED, ThresholdPolicy, cached_policy
@@ -36,6 +37,7 @@ from sglang_rl.fingerprint.settings import PipelineSettings
 from sglang_rl.fingerprint.termination import MAX_NEW_TOKENS_FIELD, termination_inputs
 from sglang_rl.request_options import FINGERPRINTS_FIELD, RESPONSE_START_KEY, RESULT_FIELD
 
+TO_VALIDATE_KEY = "toploc_verification_fingerprint_to_validate"
 ATTR = "_sglang_rl_fingerprints"
 """The attribute that carries a scheduler's pipeline on the objects its hooks are handed."""
 OWNERS = ("output_streamer", "tp_worker", "model_worker")
@@ -140,12 +142,12 @@ def decode_builders(reqs: list, stride: int, accepted: list[int] | None
                     ) -> tuple[list, list[int], list[int] | None]:
     """The fingerprint builders of a decode step's running requests, with the first row and
     the row count of each one's committed run. This runs for every request at every step."""
-    builder_type = FingerprintBuilder
     builders, picked = [], []
     for i, req in enumerate(reqs):
-        state = fingerprint_of(req)
-        if type(state) is builder_type and not state.done and not (req.finished() or req.is_retracted):
-            builders.append(state)
+        state = peek(req)
+        builder = None if state is None else state.fingerprint
+        if builder is not None and not builder.done and not (req.finished() or req.is_retracted):
+            builders.append(builder)
             picked.append(i)
     counts = None if accepted is None else [accepted[i] for i in picked]
     return builders, picked if stride == 1 else [i * stride for i in picked], counts
@@ -207,20 +209,50 @@ def _stream_held(scheduler: Any, wait: bool) -> None:
 
 class PrefillVerification:
     """A prefill-only request that validates a fingerprint against its own prefill rows, and
-    reports how the response ended (for the termination check, `fingerprint.termination`)."""
+    reports how the response ended (for the termination check, `fingerprint.termination`).
+    One whose fingerprint could not be read (normally refused earlier) is `rejected`: it keeps no
+    rows, and its report is the reason."""
 
-    def __init__(self, fingerprint: Fingerprint, response_start: int, thresholds: ThresholdPolicy,
-                 min_eos_prob: float = 0.0, max_new_tokens: Optional[int] = None) -> None:
+    def __init__(self, fingerprint: Optional[Fingerprint], response_start: int, thresholds: Optional[ThresholdPolicy],
+                 min_eos_prob: float = 0.0, max_new_tokens: Optional[int] = None,
+                 rejected: Optional[str] = None) -> None:
         self.fingerprint = fingerprint
         self.response_start = response_start
         self.thresholds = thresholds
         self.min_eos_prob = min_eos_prob
         self.max_new_tokens = max_new_tokens
+        self.rejected = rejected
         self.rows: list[torch.Tensor] = []
         self.done = False
 
+    @classmethod
+    def rejecting(cls, reason: str) -> "PrefillVerification":
+        """A verification whose fingerprint failed validation, for `reason`."""
+        return cls(None, -1, None, rejected=reason)
+
+    @property
+    def capture_mode(self) -> CaptureHiddenMode:
+        """Every prefill row to check (FULL); a rejected one checks none."""
+        return CaptureHiddenMode.LAST if self.rejected is not None else CaptureHiddenMode.FULL
+
     def add_rows(self, rows: torch.Tensor) -> None:
-        self.rows.append(rows.to("cpu", copy=True))
+        if self.rejected is None:
+            self.rows.append(rows.to("cpu", copy=True))
+
+    def post_report(self, req: Any) -> None:
+        """Post the report of a finished verification request (called as its output is sent)."""
+        if self.done or not req.finished():
+            return
+        if self.rejected is not None:
+            self.done = True
+            transport.post(req, **{RESULT_FIELD: {"error": self.rejected, "verified": False}})
+            return
+        try:
+            ids = req.origin_input_ids
+            report = self.finish(len(ids), ids[-1] if len(ids) else None, lambda token: is_stop_token(req, token))
+        except FingerprintError as exc:
+            report = {"error": str(exc), "verified": False}
+        transport.post(req, **{RESULT_FIELD: report})
 
     def finish(self, prompt_len: int, last_token: Optional[int] = None,
                is_stop: Callable[[int], bool] = lambda token: False) -> dict:
@@ -251,18 +283,39 @@ class PrefillVerification:
         return report
 
 
-def state_for_request(options: dict, server_args: Any) -> Optional[object]:
-    """The TOPLOC state a new scheduler request needs, or None."""
+def adopt(req: Any, options: dict, server_args: Any, stores: bool) -> None:
+    """A new scheduler request's TOPLOC state: a generation's fingerprint builder, or the
+    verification of a fingerprint it carries. Its capture mode rises on every rank; the state is
+    kept where outputs are sent (`stores`)."""
     if not getattr(server_args, "toploc_verification", False):
-        return None
+        return
+    if options.get(TO_VALIDATE_KEY) is None:
+        builder = builder_for_request(options, server_args)
+        if builder is None:
+            return
+        needed = CaptureHiddenMode.LAST
+        if stores:
+            state_of(req).fingerprint = builder
+    else:
+        verification = verification_for_request(options, server_args)
+        needed = verification.capture_mode
+        if stores:
+            state_of(req).verification = verification
+    req.return_hidden_states_mode = max(req.return_hidden_states_mode, needed)
+
+
+def builder_for_request(options: dict, server_args: Any) -> Optional[FingerprintBuilder]:
+    """The fingerprint builder of a new generation (a benchmark's plugin may answer None)."""
+    return FingerprintBuilder(server_args.toploc_verification_topk)
+
+
+def verification_for_request(options: dict, server_args: Any) -> PrefillVerification:
+    """The verification of the fingerprint a new prefill-only request carries."""
     topk = server_args.toploc_verification_topk
-    fp_string = options.get("toploc_verification_fingerprint_to_validate")
-    if fp_string is None:
-        return FingerprintBuilder(topk)
     try:
-        fp = decode_fingerprint(fp_string, expected_topk=topk)
+        fp = decode_fingerprint(options[TO_VALIDATE_KEY], expected_topk=topk)
     except FingerprintError as exc:
-        return RejectedVerification(str(exc))
+        return PrefillVerification.rejecting(str(exc))
     start = int(options.get(RESPONSE_START_KEY, -1))
     return PrefillVerification(fp, start, thresholds_from_server_args(server_args),
                                getattr(server_args, "toploc_verification_min_eos_prob", 0.0),
@@ -281,27 +334,3 @@ def is_stop_token(req: Any, token: int) -> bool:
     if tokenizer is None:
         return False
     return token == tokenizer.eos_token_id or token in (getattr(tokenizer, "additional_stop_token_ids", None) or ())
-
-
-class RejectedVerification:
-    """A verification request whose fingerprint failed validation (normally refused earlier)."""
-
-    def __init__(self, reason: str) -> None:
-        self.reason = reason
-        self.done = False
-
-
-def finish_verification(state: object, req: Any) -> None:
-    """Post a finished verification request's report (called as its output is sent)."""
-    if getattr(state, "done", True) or not req.finished():
-        return
-    if isinstance(state, PrefillVerification):
-        try:
-            ids = req.origin_input_ids
-            report = state.finish(len(ids), ids[-1] if len(ids) else None, lambda token: is_stop_token(req, token))
-        except FingerprintError as exc:
-            report = {"error": str(exc), "verified": False}
-        transport.post(req, **{RESULT_FIELD: report})
-    elif isinstance(state, RejectedVerification):
-        state.done = True
-        transport.post(req, **{RESULT_FIELD: {"error": state.reason, "verified": False}})

@@ -1,4 +1,4 @@
-"""TOPLOC observability: Prometheus series on a `--enable-metrics` server, and the plugin's log lines.
+"""TOPLOC observability: Prometheus series on a `--enable-metrics` server, and TOPLOC's log lines.
 
 Everything is observed in the API process (the tokenizer manager), which sees each response's
 fingerprints, each verification's final report (after the greedy and sampling checks of
@@ -17,7 +17,6 @@ import logging
 import time
 from typing import Any, Optional
 
-from sglang_rl import __version__
 from sglang_rl.request_options import FINGERPRINTS_FIELD, RESULT_FIELD
 
 logger = logging.getLogger(__name__)
@@ -147,28 +146,16 @@ def _failure_details(report: dict) -> str:
 
 
 def server_started(result: Any, engine_cls: Any, *args: Any, **kwargs: Any) -> None:
-    """AFTER Engine._launch_subprocesses, in the launcher's process once its logging is set up
-    (plugins load before that, where an INFO line would be dropped): the plugin's load line,
-    the warning about uncalibrated bounds, and the tokenizer manager's metrics."""
+    """Once the server has started (after the plugin's load line, `hooks.server_started`): the
+    warning about uncalibrated bounds, and the tokenizer manager's metrics."""
     server_args = kwargs.get("server_args", args[0] if args else None)
     if server_args is None:
         return
-    toploc = bool(getattr(server_args, "toploc_verification", False))
-    metrics = bool(getattr(server_args, "enable_metrics", False)) and toploc
-    from sglang_rl.hooks import hook_table
-
-    logger.info("sglang-rl %s loaded (%d hooks): TOPLOC verification %s, drafter co-training %s, "
-                "TOPLOC metrics %s", __version__, len(hook_table()), _on(toploc),
-                _on(getattr(server_args, "drafter_cotrain", False)), _on(metrics))
-    if toploc:
+    if getattr(server_args, "toploc_verification", False):
         _warn_if_uncalibrated(server_args)
     manager = result[0] if isinstance(result, tuple) and result else None
     if manager is not None:
         metrics_of(manager)
-
-
-def _on(flag: Any) -> str:
-    return "on" if flag else "off"
 
 
 def _warn_if_uncalibrated(server_args: Any) -> None:

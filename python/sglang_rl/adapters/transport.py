@@ -1,4 +1,4 @@
-"""Scheduler -> API channel for per-request results (fingerprints, validation reports, ...).
+"""Scheduler -> API channel for per-request results (fingerprints, validation reports, ...), and the rank that sends them.
 
 sglang forwards `customized_info` from the scheduler's output batches through the detokenizer to
 the tokenizer manager, which accumulates it into `meta_info[key]`. We use one key whose value for a
@@ -10,9 +10,20 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from sglang.srt.runtime_context import get_parallel
+
 from sglang_rl.adapters.request_state import peek, state_of
 
 KEY = "sglang_rl"
+
+
+def sends_outputs() -> bool:
+    """Only the first rank of each attention-TP group streams outputs; other ranks hold the same
+    rows and skip the work (no host copies, no proofs) on them."""
+    try:
+        return get_parallel().attn_tp_rank == 0
+    except Exception:
+        return True
 
 
 def post(req: Any, **fields: Any) -> None:
