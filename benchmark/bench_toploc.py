@@ -8,6 +8,11 @@ GPU, the same with EAGLE (a Llama target + an EAGLE draft built to be accepted, 
     python benchmark/bench_toploc.py --eagle --tokenizer-dir /tmp/tok --eagle-hidden 4096 --eagle-layers 32
 CPU smoke run (default model):
     python benchmark/bench_toploc.py --cpu --shapes 4x16x16 --replay-total 4
+Verifier cost against a plain prefill of the same sequences (8B shape on a GPU; on the CPU
+with the default model, small shapes such as `--verify-cost-shapes 8x64x64`):
+    python benchmark/bench_toploc.py --model-path /tmp/m8b --dummy --modes on --replay-total 0 \
+        --cuda-graph-max-bs 64 --shapes 8x128x128 --timed-runs 1 \
+        --verify-cost-shapes 64x512x512 64x128x1024 16x256x4096 --verify-cost-runs 3
 
 Each mode runs in its own process (a fresh Engine), so the modes share nothing. Every shape is
 timed `--timed-runs` times after one untimed run; the table gives the median and the spread
@@ -202,7 +207,7 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict:
     if mode == "on" and args.replay_total:
         result.update(replays(llm, args))
     if mode == "on":
-        result["verify_cost"] = [verifier_cost(llm, text) for text in args.verify_cost_shapes]
+        result["verify_cost"] = [verifier_cost(llm, text, args.verify_cost_runs) for text in args.verify_cost_shapes]
     llm.shutdown()
     return result
 
@@ -216,28 +221,43 @@ def verify_outputs(llm, prompts: list[list[int]], outs: list[dict]) -> list[dict
             for r in llm.generate(input_ids=ids, sampling_params=checks)]
 
 
-def verifier_cost(llm, text: str) -> dict:
+def verifier_cost(llm, text: str, runs: int = 1) -> dict:
     """One batch of a shape generated, then all its responses verified in one batch with the cache
-    flushed first (a verifier holds none of the generator's KV): the verifier's share of the time."""
+    flushed first (a verifier holds none of the generator's KV): the verifier's share of the time.
+    Beside it, the floor: a plain prefill of the same prompt + response sequences
+    (max_new_tokens 1, no verification) on the same server, cache flushed too. Verify and prefill
+    alternate `runs` times after an untimed round; the medians are reported."""
     num, prompt_len, output = parse_shape(text)
     prompts = random_prompts(num, prompt_len, seed=prompt_len * 11 + num)
     sp = [{"max_new_tokens": n, "temperature": 0, "ignore_eos": True} for n in output_lengths(num, output)]
 
-    def generate_then_verify() -> tuple[float, float, int, int]:
+    def timed(call) -> tuple[float, object]:
         llm.flush_cache()
         t = time.perf_counter()
-        outs = llm.generate(input_ids=prompts, sampling_params=sp, return_output_ids=True)
-        gen_s = time.perf_counter() - t
-        llm.flush_cache()
-        t = time.perf_counter()
-        reports = verify_outputs(llm, prompts, outs)
-        verify_s = time.perf_counter() - t
-        return gen_s, verify_s, sum(len(o["output_ids"]) for o in outs), sum(bool(r["verified"]) for r in reports)
+        result = call()
+        return time.perf_counter() - t, result
 
-    generate_then_verify()  # untimed: graphs, allocator, the first long prefills
-    gen_s, verify_s, tokens, passed = generate_then_verify()
+    def plain_prefill(sequences: list[list[int]]) -> list[dict]:
+        return llm.generate(input_ids=sequences, sampling_params=[{"max_new_tokens": 1, "temperature": 0}] * num)
+
+    gen_s, outs = timed(lambda: llm.generate(input_ids=prompts, sampling_params=sp, return_output_ids=True))
+    sequences = [p + list(o["output_ids"]) for p, o in zip(prompts, outs)]
+    verify_outputs(llm, prompts, outs)  # untimed: graphs, allocator, the first long prefills
+    plain_prefill(sequences)
+    gen_s, outs = timed(lambda: llm.generate(input_ids=prompts, sampling_params=sp, return_output_ids=True))
+    verify_times, prefill_times = [], []
+    for _ in range(runs):
+        verify_s, reports = timed(lambda: verify_outputs(llm, prompts, outs))
+        prefill_s, _ = timed(lambda: plain_prefill(sequences))
+        verify_times.append(verify_s)
+        prefill_times.append(prefill_s)
+    verify_s, prefill_s = statistics.median(verify_times), statistics.median(prefill_times)
+    tokens = sum(len(o["output_ids"]) for o in outs)
+    passed = sum(bool(r["verified"]) for r in reports)
     return {"shape": text, "generated_tok_per_s": round(tokens / gen_s, 1), "verified_tok_per_s": round(tokens / verify_s, 1),
-            "generate_s": round(gen_s, 2), "verify_s": round(verify_s, 2),
+            "generate_s": round(gen_s, 2), "verify_s": round(verify_s, 2), "prefill_s": round(prefill_s, 2),
+            "prefill_tok_per_s": round(sum(map(len, sequences)) / prefill_s, 1),
+            "verify_over_prefill": round(verify_s / prefill_s, 3),
             "verify_over_generate": round(verify_s / gen_s, 4), "verified": f"{passed}/{num}"}
 
 
@@ -340,8 +360,11 @@ def main() -> None:
                    "each step's kept rows cloned instead of copied into the row ring")
     p.add_argument("--attention-backend", help="sglang's attention backend on a GPU (default: triton)")
     p.add_argument("--verify-cost-shapes", nargs="*", default=[],
-                   help="on mode: per shape, generate one batch, then verify all of it; prints generated "
-                   "vs verified tokens/s (the verifier's share of the time)")
+                   help="on mode: per shape, generate one batch, then verify all of it and prefill the same "
+                   "sequences plainly (max_new_tokens 1); prints generated, verified and prefilled tokens/s "
+                   "(the verifier's share of the time, and its cost over a plain prefill)")
+    p.add_argument("--verify-cost-runs", type=int, default=1,
+                   help="--verify-cost-shapes: timed (verify, prefill) rounds per shape (medians)")
     p.add_argument("--one-mode", help=argparse.SUPPRESS)
     args = p.parse_args() if "--eagle" in sys.argv else parse_with_model(p)
     if args.paired:
@@ -366,9 +389,10 @@ def main() -> None:
         print_table(replay, ["mode", "replays_passed", "worst_exp_mismatches", "per_batch_size"])
     cost = [line for r in rows for line in r.get("verify_cost", [])]
     if cost:
-        print("\nVerifier cost: one batch generated, then verified with the cache flushed")
-        print_table(cost, ["shape", "generated_tok_per_s", "verified_tok_per_s", "generate_s", "verify_s",
-                           "verify_over_generate", "verified"])
+        print("\nVerifier cost: one batch generated, then verified and plainly prefilled (max_new_tokens 1), "
+              "each with the cache flushed")
+        print_table(cost, ["shape", "generated_tok_per_s", "verified_tok_per_s", "prefill_tok_per_s", "generate_s",
+                           "verify_s", "prefill_s", "verify_over_prefill", "verify_over_generate", "verified"])
 
 
 if __name__ == "__main__":
