@@ -4,7 +4,7 @@ A decode step of an EAGLE server hands the scheduler its rows on the host (`[req
 draft tokens, H]`, bf16); co-training routes each request's accepted rows to its window
 (`decode_routes`, `add_decode_rows`) between GPU steps, and once the scheduler is idle a finished
 request's window becomes a training sample that is serialised for the trainer's queue
-(`CotrainRows.sample`, `sample_to_wire`, pickle). This replays one batch of synthetic requests
+(`CotrainRows.sample`, `Sample.of`, pickle). This replays one batch of synthetic requests
 (prompt and response lengths, acceptance) through those functions and prints the time of each
 part per batch and per decode step.
 
@@ -25,7 +25,7 @@ from sglang_rl.adapters.cotrain_rows import CotrainRows
 from sglang_rl.adapters.decode_step import add_decode_rows
 from sglang_rl.adapters.request_state import state_of
 from sglang_rl.adapters.scheduler import decode_routes
-from sglang_rl.drafter.cotrain import sample_to_wire
+from sglang_rl.drafter.messages import Sample
 
 
 class _Req:
@@ -73,9 +73,9 @@ def run(requests: int, hidden: int, draft_tokens: int, window: int, acceptance: 
             rows.close(req, policy_version=0)
             sample = rows.sample()
             t1 = time.perf_counter()
-            wire = sample_to_wire(sample)
+            wire = Sample.of(sample)
             t2 = time.perf_counter()
-            sent += len(pickle.dumps(("sample", wire), protocol=pickle.HIGHEST_PROTOCOL))
+            sent += len(pickle.dumps(wire, protocol=pickle.HIGHEST_PROTOCOL))
             t3 = time.perf_counter()
             times["sample"] += t1 - t0
             times["wire"] += t2 - t1
@@ -107,7 +107,7 @@ def main() -> None:
     names = {"routes": "between steps: route rows (`decode_routes`)",
              "rows": "between steps: keep rows (`add_decode_rows`)",
              "sample": "when idle: build samples (`CotrainRows.sample`)",
-             "wire": "when idle: to bytes (`sample_to_wire`)", "pickle": "when idle: queue pickling"}
+             "wire": "when idle: to bytes (`Sample.of`)", "pickle": "when idle: queue pickling"}
     for key, name in names.items():
         print(f"| {name} | {1e3 * best[key]:.1f} | {1e6 * best[key] / steps:.0f} |")
     path = best["routes"] + best["rows"]

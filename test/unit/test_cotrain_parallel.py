@@ -14,6 +14,7 @@ import pytest
 
 from sglang_rl.adapters import cotrain_parallel
 from sglang_rl.adapters.cotrain_parallel import TpSwap, check_tp_shapes, combine_stats
+from sglang_rl.drafter.messages import HubPort, Ready, Round
 from test_drafter_cotrain_loop import config, folders  # noqa: F401 - folders is a fixture
 
 
@@ -72,9 +73,9 @@ class _Runtime:
         self.swap, self.outbox, self.errors, self.applied = swap, queue.Queue(), [], []
         self.process = SimpleNamespace(is_alive=lambda: True)
 
-    def handle(self, scheduler, message: tuple) -> None:
-        if message[0] == "round":
-            self.swap.received(message[1], message[2])
+    def handle(self, scheduler, message) -> None:
+        if isinstance(message, Round):
+            self.swap.received(message.weights, message.metrics)
 
     def apply(self, scheduler, weights: list, metrics: dict) -> None:
         self.applied.append((metrics["round"], weights))
@@ -88,7 +89,7 @@ def test_a_rank_waits_for_the_round_its_rank_0_has(monkeypatch) -> None:
     swap = TpSwap(SCHEDULER, leader=False)
     rt = _Runtime(swap)
     swap.received(["w1"], {"round": 1})
-    threading.Timer(0.3, rt.outbox.put, args=(("round", ["w2"], {"round": 2}),)).start()
+    threading.Timer(0.3, rt.outbox.put, args=(Round(["w2"], {"round": 2}),)).start()
     began = time.time()
     swap.swap(rt, SCHEDULER, 2)  # round 2 is not here yet: it arrives 0.3 s later
     assert rt.applied == [(2, ["w2"])] and time.time() - began >= 0.25
@@ -151,12 +152,13 @@ def test_a_servers_own_hub_answers_its_port_and_ends_with_its_server(folders) ->
         proc.start()
         end.close()
         assert reply.poll(120), "the hub never answered"
-        kind, port = reply.recv()
-        assert kind == "port" and port > 0
+        answer = reply.recv()
+        assert isinstance(answer, HubPort) and answer.port > 0, answer
+        port = answer.port
         procs.append((proc, port))
     try:
         trainer = RemoteTrainer(f"127.0.0.1:{procs[0][1]}", 8, authkey=b"k")
-        assert next_message(trainer)[0] == "ready"
+        assert isinstance(next_message(trainer), Ready)
         trainer.join()
         procs[1][0].join(timeout=30)
         assert procs[1][0].exitcode is not None, "a hub whose server is gone must stop"

@@ -12,17 +12,8 @@ import pytest
 import torch
 
 from sglang_rl.drafter import init_drafter, save_drafter
-from sglang_rl.drafter.cotrain import (
-    CotrainConfig,
-    CotrainLoop,
-    RolloutSample,
-    cotrain_main,
-    from_wire,
-    peak_memory,
-    sample_from_wire,
-    sample_to_wire,
-    to_wire,
-)
+from sglang_rl.drafter.cotrain import CotrainConfig, CotrainLoop, cotrain_main, peak_memory
+from sglang_rl.drafter.messages import Ready, RolloutSample, Round, Sample, Stop, TargetHead, from_wire, to_wire
 from test_drafter_checkpoint import H, V, write_target
 
 
@@ -49,7 +40,7 @@ def test_wire_round_trip_is_exact(dtype: torch.dtype) -> None:
     back = from_wire(to_wire(t))
     assert back.dtype == dtype and back.shape == t.shape and torch.equal(back, t)
     s = sample(9, version=3)
-    r = sample_from_wire(sample_to_wire(s))
+    r = Sample.of(s).rollout()
     assert torch.equal(r.input_ids, s.input_ids) and torch.equal(r.rows, s.rows)
     assert (r.response_start, r.policy_version) == (s.response_start, 3)
 
@@ -108,14 +99,16 @@ def test_process_entry_point_trains_round_after_round(folders) -> None:
     with cotrain_process(folders) as (inbox, outbox, proc):
         for r in range(1, 4):
             for i in range(4):
-                inbox.put(("sample", sample_to_wire(sample(seed=10 * r + i, version=r))))
-            kind, weights, metrics = outbox.get(timeout=120)
-            assert kind == "round" and metrics["round"] == r and metrics["policy_version"] == r
+                inbox.put(Sample.of(sample(seed=10 * r + i, version=r)))
+            message = outbox.get(timeout=120)
+            assert isinstance(message, Round), message
+            weights, metrics = message.weights, message.metrics
+            assert metrics["round"] == r and metrics["policy_version"] == r
             assert {n for n, _ in weights} >= {"fc.weight"}
             # the process's own peak memory (a torch process holds well over 50 MB); no device memory on the CPU
             assert 50 * 2**20 < metrics["trainer_peak_rss_bytes"] < 16 * 2**30
             assert metrics["trainer_peak_device_bytes"] is None
-        inbox.put(("stop",))
+        inbox.put(Stop())
         proc.join(timeout=30)
         assert proc.exitcode == 0
 
@@ -139,7 +132,7 @@ def cotrain_process(folders) -> Iterator[tuple]:
     proc = ctx.Process(target=cotrain_main, args=(config(folders, threads=1), inbox, outbox), daemon=True)
     proc.start()
     try:
-        assert outbox.get(timeout=120)[0] == "ready"
+        assert isinstance(outbox.get(timeout=120), Ready)
         yield inbox, outbox, proc
     finally:
         if proc.is_alive():
@@ -170,11 +163,11 @@ def test_the_target_head_follows_the_target(tmp_path: Path, tied: bool) -> None:
 def test_process_entry_point_takes_a_new_target_head(folders) -> None:
     """The target head message goes through the real process protocol and reaches the round."""
     with cotrain_process(folders) as (inbox, outbox, _):
-        inbox.put(("target_head", to_wire(torch.randn(V, H)), None))
+        inbox.put(TargetHead(to_wire(torch.randn(V, H)), None))
         for i in range(4):
-            inbox.put(("sample", sample_to_wire(sample(seed=i, version=1))))
-        kind, _, metrics = outbox.get(timeout=120)
-        assert kind == "round" and metrics["head_updates"] == 1, metrics
+            inbox.put(Sample.of(sample(seed=i, version=1)))
+        message = outbox.get(timeout=120)
+        assert isinstance(message, Round) and message.metrics["head_updates"] == 1, message
 
 
 def _start_cotrain_then_wait(folders: tuple[str, str], pid_file: str) -> None:
@@ -185,7 +178,7 @@ def _start_cotrain_then_wait(folders: tuple[str, str], pid_file: str) -> None:
     inbox, outbox = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=cotrain_main, args=(config(folders, threads=1), inbox, outbox), daemon=True)
     proc.start()
-    assert outbox.get(timeout=120)[0] == "ready"
+    assert isinstance(outbox.get(timeout=120), Ready)
     Path(pid_file).write_text(str(proc.pid))
     time.sleep(600)
 

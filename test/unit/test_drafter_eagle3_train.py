@@ -19,7 +19,8 @@ from safetensors.torch import load_file
 
 from sglang_rl.drafter import DrafterTrainer, load_drafter, sample_from_rows, save_drafter, sglang_weights
 from sglang_rl.drafter.cli import main
-from sglang_rl.drafter.cotrain import CotrainConfig, CotrainLoop, RolloutSample
+from sglang_rl.drafter.cotrain import CotrainConfig, CotrainLoop
+from sglang_rl.drafter.messages import RolloutSample
 from sglang_rl.drafter.eagle3 import init_eagle3, read_eagle3, save_eagle3
 from sglang_rl.drafter.eagle3_loss import eagle3_labels
 from sglang_rl.drafter.eagle3_model import Eagle3Drafter

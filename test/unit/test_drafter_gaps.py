@@ -11,7 +11,8 @@ import time
 import pytest
 import torch
 
-from sglang_rl.drafter.cotrain import CotrainLoop, cotrain_main, sample_to_wire
+from sglang_rl.drafter.cotrain import CotrainLoop, cotrain_main
+from sglang_rl.drafter.messages import Ready, Round, Sample, Stop
 from sglang_rl.drafter.gaps import IdleGate
 from test_drafter_cotrain_loop import config, folders, sample  # noqa: F401 - folders is a fixture
 from test_drafter_checkpoint import H, V
@@ -74,15 +75,17 @@ def test_a_round_waits_while_the_server_is_busy(folders) -> None:  # noqa: F811
     proc = ctx.Process(target=cotrain_main, args=(cfg, inbox, outbox, idle), daemon=True)
     proc.start()
     try:
-        assert outbox.get(timeout=120)[0] == "ready"
+        assert isinstance(outbox.get(timeout=120), Ready)
         for i in range(4):
-            inbox.put(("sample", sample_to_wire(sample(seed=i))))
+            inbox.put(Sample.of(sample(seed=i)))
         with pytest.raises(queue.Empty):
             outbox.get(timeout=3)  # busy: the round's first step waits
         idle.set()
-        kind, _, metrics = outbox.get(timeout=60)
-        assert kind == "round" and metrics["round"] == 1 and metrics["gap_wait_s"] >= 2.5
-        inbox.put(("stop",))
+        message = outbox.get(timeout=60)
+        assert isinstance(message, Round), message
+        metrics = message.metrics
+        assert metrics["round"] == 1 and metrics["gap_wait_s"] >= 2.5
+        inbox.put(Stop())
         proc.join(timeout=30)
     finally:
         if proc.is_alive():

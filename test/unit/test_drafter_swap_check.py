@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from sglang_rl.drafter import DrafterTrainer
-from sglang_rl.drafter.cotrain import CotrainLoop, RolloutSample
+from sglang_rl.drafter.cotrain import CotrainLoop
+from sglang_rl.drafter.messages import RolloutSample
 from sglang_rl.drafter.swap_check import SwapCheck, chain_score
 from test_drafter_cotrain_loop import config, folders  # noqa: F401 - folders is a fixture
 from test_drafter_training import rollout_samples, tiny_drafter
@@ -103,7 +104,8 @@ def test_a_server_runtime_counts_the_rounds_its_trainer_held(tmp_path) -> None:
     lr 0.9 that wrecks it. The process sends `held` and the server keeps serving its drafter."""
     from sglang_rl.adapters.cotrain import CotrainRuntime
     from sglang_rl.drafter import init_drafter, save_drafter
-    from sglang_rl.drafter.cotrain import CotrainConfig, sample_to_wire
+    from sglang_rl.drafter.cotrain import CotrainConfig
+    from sglang_rl.drafter.messages import Held, Sample
     from sglang_rl.server_args import RLServerArgs
     from test_drafter_checkpoint import write_target
 
@@ -125,9 +127,9 @@ def test_a_server_runtime_counts_the_rounds_its_trainer_held(tmp_path) -> None:
         runtime.handle(None, runtime.outbox.get(timeout=120))
         assert runtime.ready
         for i in range(8, 12):
-            runtime.inbox.put(("sample", sample_to_wire(_rollout(i))))
+            runtime.inbox.put(Sample.of(_rollout(i)))
         message = runtime.outbox.get(timeout=120)
-        assert message[0] == "held", message[:1] + message[-1:]
+        assert isinstance(message, Held), message
         runtime.handle(None, message)
         stats = runtime.stats()
         assert stats["rounds"] == 0 and stats["rounds_held"] == 1 and not stats["errors"], stats

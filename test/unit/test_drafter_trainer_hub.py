@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from sglang_rl.drafter import cli as drafter_cli
-from sglang_rl.drafter.cotrain import cotrain_main, from_wire, sample_to_wire
+from sglang_rl.drafter.cotrain import cotrain_main
+from sglang_rl.drafter.messages import Error, Ready, Round, Sample, Stop, from_wire
 from sglang_rl.drafter.trainer_client import RemoteTrainer, check_trainer, connect
 from sglang_rl.drafter.trainer_server import TrainerHub
 from test_drafter_cotrain_loop import config, folders, sample  # noqa: F401 - folders is a fixture
@@ -20,7 +21,7 @@ from test_drafter_cotrain_loop import config, folders, sample  # noqa: F401 - fo
 KEY = b"test-key"
 
 
-def next_message(trainer: RemoteTrainer, timeout: float = 120) -> tuple:
+def next_message(trainer: RemoteTrainer, timeout: float = 120) -> object:
     deadline = time.time() + timeout
     while time.time() < deadline:
         try:
@@ -40,43 +41,44 @@ def test_every_server_gets_each_round_and_a_late_one_the_newest(folders) -> None
     hub = TrainerHub(listener, inbox, outbox, log=lambda line: None).start()
     try:
         a, b = RemoteTrainer(address, 8, authkey=KEY), RemoteTrainer(address, 8, authkey=KEY)
-        assert next_message(a)[0] == "ready" and next_message(b)[0] == "ready"
+        assert isinstance(next_message(a), Ready) and isinstance(next_message(b), Ready)
         # a server that stops does not stop the shared trainer, even one sending "stop" itself
         rogue = connect(address, KEY)
-        rogue.send(("stop",))
-        a.inbox.put(("stop",))
+        rogue.send(Stop())
+        a.inbox.put(Stop())
         for i in range(2):  # one round's 4 samples, split over the two servers
-            a.inbox.put_nowait(("sample", sample_to_wire(sample(seed=i))))
-            b.inbox.put_nowait(("sample", sample_to_wire(sample(seed=10 + i))))
+            a.inbox.put_nowait(Sample.of(sample(seed=i)))
+            b.inbox.put_nowait(Sample.of(sample(seed=10 + i)))
         got_a, got_b = next_message(a), next_message(b)
-        assert got_a[0] == got_b[0] == "round", (got_a[0], got_b[0])
-        assert got_a[2]["round"] == got_b[2]["round"] == 1 and got_a[2]["received"] == 4
-        assert got_a[2]["loss"] == got_b[2]["loss"]
-        weights_a = {n: from_wire(w) for n, w in got_a[1]}
-        weights_b = {n: from_wire(w) for n, w in got_b[1]}
+        assert isinstance(got_a, Round) and isinstance(got_b, Round), (got_a, got_b)
+        assert got_a.metrics["round"] == got_b.metrics["round"] == 1 and got_a.metrics["received"] == 4
+        assert got_a.metrics["loss"] == got_b.metrics["loss"]
+        weights_a = {n: from_wire(w) for n, w in got_a.weights}
+        weights_b = {n: from_wire(w) for n, w in got_b.weights}
         assert weights_a.keys() == weights_b.keys() and all(torch.equal(weights_a[n], weights_b[n]) for n in weights_a)
 
         late = RemoteTrainer(address, 8, authkey=KEY)
-        assert next_message(late)[0] == "ready"
+        assert isinstance(next_message(late), Ready)
         newest = next_message(late)
-        assert newest[0] == "round" and newest[2] == got_a[2]
+        assert isinstance(newest, Round) and newest.metrics == got_a.metrics
         assert hub.received == 4 and a.is_alive() and late.is_alive()
 
         b.join()  # one server leaving: the others still get rounds
         for i in range(4):
-            late.inbox.put_nowait(("sample", sample_to_wire(sample(seed=20 + i, version=1))))
+            late.inbox.put_nowait(Sample.of(sample(seed=20 + i, version=1)))
         second = next_message(a)
-        assert second[0] == "round" and second[2]["round"] == 2 and next_message(late)[2]["round"] == 2
+        assert isinstance(second, Round) and second.metrics["round"] == 2
+        assert next_message(late).metrics["round"] == 2
 
         # the trainer dies: every server sees it, with one error, and sending fails fast
         proc.kill()
         hub.close()
         for server in (a, late):
-            kind, text = next_message(server, timeout=30)
-            assert kind == "error" and "connection lost" in text and address in text
+            lost = next_message(server, timeout=30)
+            assert isinstance(lost, Error) and "connection lost" in lost.text and address in lost.text
             assert not server.is_alive()
             with pytest.raises(queue.Full):
-                server.inbox.put_nowait(("sample", sample_to_wire(sample())))
+                server.inbox.put_nowait(Sample.of(sample()))
     finally:
         hub.close()
         if proc.is_alive():

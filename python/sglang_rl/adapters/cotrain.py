@@ -37,13 +37,8 @@ from sglang_rl.adapters.cotrain_rows import CotrainRows
 from sglang_rl.adapters.request_state import kcbs_beam_of, kcbs_search_of, state_of
 from sglang_rl.adapters.cotrain_config import config_from_args
 from sglang_rl.adapters.cotrain_idle import idle_event, note_idle, weights_released
-from sglang_rl.drafter.cotrain import (
-    from_wire,
-    inbox_size,
-    sample_to_wire,
-    start_cotrain_process,
-    to_wire,
-)
+from sglang_rl.drafter.cotrain import inbox_size, start_cotrain_process
+from sglang_rl.drafter.messages import Error, Held, Ready, Round, Sample, Stop, TargetHead, from_wire, to_wire
 from sglang_rl.drafter.trainer_client import RemoteTrainer
 from sglang_rl.request_options import options_of
 
@@ -168,7 +163,7 @@ class CotrainRuntime:
                 continue
             self.rows_sent += int(sample.input_ids.numel())
             try:
-                self.inbox.put_nowait(("sample", sample_to_wire(sample)))
+                self.inbox.put_nowait(Sample.of(sample))
             except queue.Full:
                 self.skipped_busy += 1
                 continue
@@ -199,7 +194,7 @@ class CotrainRuntime:
             return
         # an EAGLE3 drafter trains its own head over the draft vocabulary: the embedding is enough
         embed_only = same_tensor(embed, head) or is_eagle3(eagle)
-        message = ("target_head", to_wire(embed), None if embed_only else to_wire(head))
+        message = TargetHead(to_wire(embed), None if embed_only else to_wire(head))
         try:
             self.inbox.put(message, timeout=1.0)
         except queue.Full:
@@ -229,24 +224,24 @@ class CotrainRuntime:
         if self.metrics.gauges:  # stats() is a dict of lists: built only for a server with metrics
             self.metrics.publish(self.stats())
 
-    def handle(self, scheduler: Any, message: tuple) -> None:
+    def handle(self, scheduler: Any, message: Any) -> None:
         """One outbox message; a round is loaded now, or with TP stashed until rank 0's swap order."""
-        kind = message[0]
-        if kind == "ready":
-            self.ready = True
-        elif kind == "error":
-            self.errors.append(message[1][-2000:])
-            logger.error("sglang-rl drafter co-training: %s", message[1])
-        elif kind == "held":
-            self.swap_checks.append(message[1]["swap_check"])
-        elif kind == "round":
-            if "swap_check" in message[2]:
-                self.swap_checks.append(message[2]["swap_check"])
-            weights = [(name, from_wire(w)) for name, w in message[1]]
-            if self.swap is not None:
-                self.swap.received(weights, message[2])
-            else:
-                self.apply(scheduler, weights, message[2])
+        match message:
+            case Ready():
+                self.ready = True
+            case Error(text):
+                self.errors.append(text[-2000:])
+                logger.error("sglang-rl drafter co-training: %s", text)
+            case Held(metrics):
+                self.swap_checks.append(metrics["swap_check"])
+            case Round(wired, metrics):
+                if "swap_check" in metrics:
+                    self.swap_checks.append(metrics["swap_check"])
+                weights = [(name, from_wire(w)) for name, w in wired]
+                if self.swap is not None:
+                    self.swap.received(weights, metrics)
+                else:
+                    self.apply(scheduler, weights, metrics)
 
     def apply(self, scheduler: Any, weights: list, metrics: dict) -> None:
         from sglang_rl.adapters import drafter_weights
@@ -304,7 +299,7 @@ class CotrainRuntime:
         if self.swap is not None:
             self.swap.close()
         if self.process.is_alive():
-            self.inbox.put(("stop",))
+            self.inbox.put(Stop())
             self.process.join(timeout=5)
             if self.process.is_alive():
                 self.process.kill()

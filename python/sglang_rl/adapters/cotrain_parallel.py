@@ -26,6 +26,8 @@ from typing import Any, Optional
 
 from sglang.srt.managers.io_struct import BaseReq
 
+from sglang_rl.drafter.messages import Error, HubPort
+
 __all__ = ["CotrainSwapReqInput", "TpSwap", "check_tp_agree", "check_tp_shapes", "combine_stats", "gather_tp_stats",
            "trainer_address"]
 
@@ -89,11 +91,11 @@ def launch_subprocesses_before(engine_cls: type, server_args: Any, *args: Any, *
     process.start()
     child_end.close()
     atexit.register(_stop, process)
-    answer = reply.recv() if reply.poll(HUB_START_SECONDS) else ("error", "no answer")
-    if answer[0] != "port":
+    answer = reply.recv() if reply.poll(HUB_START_SECONDS) else Error("no answer")
+    if not isinstance(answer, HubPort):
         _stop(process)
-        raise RuntimeError(f"--drafter-cotrain: the server's trainer hub did not start: {answer[1]}")
-    object.__setattr__(server_args, HUB_ATTR, (f"127.0.0.1:{answer[1]}", key.hex()))
+        raise RuntimeError(f"--drafter-cotrain: the server's trainer hub did not start: {answer.text}")
+    object.__setattr__(server_args, HUB_ATTR, (f"127.0.0.1:{answer.port}", key.hex()))
 
 
 def _stop(process: Any) -> None:

@@ -13,7 +13,7 @@ from typing import Any, Optional
 import torch
 
 from sglang_rl.adapters.decode_step import DecodeStep
-from sglang_rl.drafter.cotrain import RolloutSample
+from sglang_rl.drafter.messages import RolloutSample
 from sglang_rl.hidden_states.prefill_chunks import join_prefill_chunks
 
 

@@ -1,7 +1,7 @@
 """Online drafter co-training: a loop that turns finished rollouts into new draft weights.
 
-Engine-agnostic (no sglang import). The serving side feeds :class:`RolloutSample` messages into
-an inbox and applies the weights it finds in the outbox; :func:`cotrain_main` runs in a process of
+Engine-agnostic (no sglang import). The serving side feeds finished rollouts into an inbox and
+applies the weights it finds in the outbox (the messages: ``drafter/messages.py``); :func:`cotrain_main` runs in a process of
 its own (and on its own device if asked), so training never runs on the serving loop.
 
 A round starts once ``samples_per_round`` new samples have arrived since the last one. It trains
@@ -30,13 +30,13 @@ from sglang_rl.drafter.config import dtype_from_name
 from sglang_rl.drafter.data import sample_from_rows
 from sglang_rl.drafter.gaps import IdleGate
 from sglang_rl.drafter.loss import EagleLossConfig
+from sglang_rl.drafter.messages import Error, Held, Ready, RolloutSample, Round, Sample, Stop, TargetHead, from_wire, to_wire
 from sglang_rl.drafter.schedule import LrSchedule
 from sglang_rl.drafter.swap_check import SwapCheck
 from sglang_rl.drafter.trainer import DrafterTrainer
 from sglang_rl.drafter.buffer import HiddenStateReplayBuffer
 
-__all__ = ["CotrainConfig", "CotrainLoop", "RolloutSample", "cotrain_main", "from_wire", "inbox_size", "peak_memory",
-           "sample_from_wire", "sample_to_wire", "start_cotrain_process", "to_wire"]
+__all__ = ["CotrainConfig", "CotrainLoop", "cotrain_main", "inbox_size", "peak_memory", "start_cotrain_process"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,41 +105,6 @@ class CotrainConfig:
             LrSchedule.parse(self.lr_schedule)
         except ValueError as exc:
             raise ValueError(f"drafter co-training: {exc}") from None
-
-
-@dataclasses.dataclass
-class RolloutSample:
-    """One finished generation: ``input_ids[i]`` has the target's row ``rows[i]``; the response
-    starts at ``response_start``. ``policy_version`` counts the target weight updates seen."""
-
-    input_ids: torch.Tensor
-    rows: torch.Tensor
-    response_start: int
-    policy_version: int
-
-
-def to_wire(tensor: torch.Tensor) -> tuple[str, tuple[int, ...], bytes]:
-    """A tensor as plain bytes for a multiprocessing pipe. Queues carry no torch tensors: their
-    shared-memory file-descriptor handoff stopped delivering inside sglang's scheduler process
-    after the first round, while plain bytes always arrive."""
-    t = tensor.detach().to("cpu").contiguous()
-    return str(t.dtype).removeprefix("torch."), tuple(t.shape), t.view(torch.uint8).numpy().tobytes()
-
-
-def from_wire(wire: tuple[str, tuple[int, ...], bytes]) -> torch.Tensor:
-    dtype, shape, data = wire
-    flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    return flat.view(getattr(torch, dtype)).reshape(shape)
-
-
-def sample_to_wire(sample: "RolloutSample") -> dict:
-    return {"input_ids": to_wire(sample.input_ids), "rows": to_wire(sample.rows),
-            "response_start": sample.response_start, "policy_version": sample.policy_version}
-
-
-def sample_from_wire(wire: dict) -> "RolloutSample":
-    return RolloutSample(input_ids=from_wire(wire["input_ids"]), rows=from_wire(wire["rows"]),
-                         response_start=int(wire["response_start"]), policy_version=int(wire["policy_version"]))
 
 
 class CotrainLoop:
@@ -310,12 +275,9 @@ def _drain(inbox: Any, first: Any) -> list:
 
 
 def cotrain_main(config: CotrainConfig, inbox: Any, outbox: Any, idle: Any = None) -> None:
-    """Process entry point (``idle``: the server's idle Event, for ``train_in_gaps``). Inbox
-    messages: ``("sample", sample_to_wire(...))``, ``("target_head", embed_wire, head_wire or None)``,
-    ``("stop",)``.
-    Outbox messages: ``("ready", {})``, ``("round", [(name, to_wire(tensor))], metrics)``,
-    ``("held", metrics)`` (a round the swap check kept from the server),
-    ``("error", text)``."""
+    """Process entry point (``idle``: the server's idle Event, for ``train_in_gaps``). The inbox
+    brings `Sample`, `TargetHead` and `Stop`; the outbox takes `Ready`, `Round`, `Held` and
+    `Error` (drafter/messages.py)."""
     _name_process("sglang-rl::drafter-cotrain")
     if config.threads > 0:
         torch.set_num_threads(config.threads)
@@ -325,9 +287,9 @@ def cotrain_main(config: CotrainConfig, inbox: Any, outbox: Any, idle: Any = Non
             gate = IdleGate(idle, config.gap_max_wait_s, config.gap_busy_share)
         loop = CotrainLoop(config, gate)
     except Exception:  # noqa: BLE001 - reported to the server, which logs it and keeps serving
-        outbox.put(("error", traceback.format_exc()))
+        outbox.put(Error(traceback.format_exc()))
         return
-    outbox.put(("ready", {}))
+    outbox.put(Ready())
     parent = os.getppid()
     while True:
         try:
@@ -337,27 +299,27 @@ def cotrain_main(config: CotrainConfig, inbox: Any, outbox: Any, idle: Any = Non
                 return
             continue
         for message in _drain(inbox, first):
-            if message[0] == "stop":
-                return
-            if message[0] == "target_head":
-                loop.receive_target_head(from_wire(message[1]),
-                                         None if message[2] is None else from_wire(message[2]))
-            if message[0] == "sample":
-                try:
-                    loop.add(sample_from_wire(message[1]))
-                except ValueError as exc:
-                    outbox.put(("error", f"sample dropped: {exc}"))
+            match message:
+                case Stop():
+                    return
+                case TargetHead(embed, head):
+                    loop.receive_target_head(from_wire(embed), None if head is None else from_wire(head))
+                case Sample():
+                    try:
+                        loop.add(message.rollout())
+                    except ValueError as exc:
+                        outbox.put(Error(f"sample dropped: {exc}"))
         if loop.due():
             try:
                 weights, metrics = loop.train_round()
             except Exception:  # noqa: BLE001 - a failed round is reported; the next one may work
-                outbox.put(("error", traceback.format_exc()))
+                outbox.put(Error(traceback.format_exc()))
                 loop.fresh = 0
                 continue
             if weights is None:  # the swap check kept the served drafter
-                outbox.put(("held", metrics))
+                outbox.put(Held(metrics))
             else:
-                outbox.put(("round", [(name, to_wire(t)) for name, t in weights], metrics))
+                outbox.put(Round([(name, to_wire(t)) for name, t in weights], metrics))
 
 
 def _name_process(title: str) -> None:

@@ -5,7 +5,7 @@ trainer and receive every round it trains. :class:`RemoteTrainer` stands where t
 co-training process stands otherwise: its ``inbox`` and ``outbox`` keep the queue behaviour the
 runtime relies on (a bounded ``put``/``put_nowait`` that never blocks the serving loop on the
 network, ``get_nowait``), and ``is_alive()`` is the connection's state. When the connection
-drops, the outbox yields one ``("error", ...)`` message and the server keeps its last draft.
+drops, the outbox yields one `Error` message and the server keeps its last draft.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import socket
 import threading
 from multiprocessing.connection import AuthenticationError, Connection, answer_challenge, deliver_challenge
 from typing import Any
+
+from sglang_rl.drafter.messages import FROM_TRAINER, Error, Stop
 
 __all__ = ["AUTHKEY_ENV", "RemoteTrainer", "authkey_from_env", "check_trainer", "connect", "hang_up", "parse_address"]
 
@@ -90,7 +92,7 @@ class _Inbox(queue.Queue):
     alive = True
 
     def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
-        if item and item[0] == "stop":
+        if isinstance(item, Stop):
             return  # the trainer is shared: one server leaving does not stop it
         if not self.alive:
             raise queue.Full  # nobody to send to: the caller counts it as skipped
@@ -115,8 +117,8 @@ class RemoteTrainer:
 
     def _lost(self, exc: BaseException) -> None:
         if self._alive and not self._closed:
-            self.outbox.put(("error", f"drafter trainer at {self.address}: connection lost "
-                                      f"({type(exc).__name__}: {exc}); serving with the last draft"))
+            self.outbox.put(Error(f"drafter trainer at {self.address}: connection lost "
+                                  f"({type(exc).__name__}: {exc}); serving with the last draft"))
         self._alive = self.inbox.alive = False
 
     def _send_loop(self) -> None:
@@ -136,7 +138,7 @@ class RemoteTrainer:
             except Exception as exc:  # noqa: BLE001 - EOF, reset, or a close from join()
                 self._lost(exc)
                 return
-            if isinstance(message, tuple) and message and message[0] in ("ready", "round", "held", "error"):
+            if isinstance(message, FROM_TRAINER):
                 self.outbox.put(message)
 
     def join(self, timeout: float | None = None) -> None:

@@ -3,8 +3,8 @@
 The trainer runs the same co-training process a ``--drafter-cotrain`` server spawns
 (:func:`cotrain_main` behind local queues) and bridges its queues to the servers that connect
 with ``--drafter-cotrain-trainer HOST:PORT``: one thread per server feeds what it sends into the
-inbox, one thread sends every outbox message (ready, round, error) to every connected server, and
-a server that connects later first gets the newest round. Engine-agnostic: no sglang import.
+inbox, one thread sends every outbox message (ready, round, held, error: drafter/messages.py) to
+every connected server, and a server that connects later first gets the newest round. Engine-agnostic: no sglang import.
 """
 
 from __future__ import annotations
@@ -20,12 +20,10 @@ from multiprocessing.connection import Connection, Listener
 from typing import Any, Callable
 
 from sglang_rl.drafter.cotrain import CotrainConfig, start_cotrain_process
+from sglang_rl.drafter.messages import TO_SHARED_TRAINER, Error, Held, HubPort, Ready, Round, Sample
 from sglang_rl.drafter.trainer_client import hang_up, parse_address
 
 __all__ = ["TrainerHub", "hub_main", "is_loopback", "serve"]
-
-# what a server may send; anything else is dropped (the trainer is shared: no one server stops it)
-ACCEPTED = ("sample", "target_head")
 
 
 def is_loopback(host: str) -> bool:
@@ -46,7 +44,7 @@ class TrainerHub:
         self.log = log
         self.lock = threading.Lock()  # guards the connection list and every send
         self.conns: dict[int, Connection] = {}
-        self.latest: dict[str, tuple] = {}  # newest "ready" and "round", for late joiners
+        self.latest: dict[type, Any] = {}  # the newest Ready and Round, for late joiners
         self.received = 0
         self.skipped_busy = 0
         self.next_id = 0
@@ -74,7 +72,7 @@ class TrainerHub:
             with self.lock:
                 cid, self.next_id = self.next_id, self.next_id + 1
                 self.conns[cid] = conn
-                for kind in ("ready", "round"):
+                for kind in (Ready, Round):
                     if kind in self.latest:
                         self._send(cid, self.latest[kind])
             self.log(f"trainer: server {cid} connected ({self.servers} connected)")
@@ -87,20 +85,20 @@ class TrainerHub:
                 message = conn.recv()
             except Exception:  # noqa: BLE001 - EOF, reset, or the hub closing
                 break
-            if not (isinstance(message, tuple) and message and message[0] in ACCEPTED):
+            if not isinstance(message, TO_SHARED_TRAINER):
                 continue
             try:
                 self.inbox.put_nowait(message)
             except queue.Full:  # training is behind: skip, as a server's own bounded queue does
                 self.skipped_busy += 1
                 continue
-            self.received += message[0] == "sample"
+            self.received += isinstance(message, Sample)
         with self.lock:
             self.conns.pop(cid, None)
         conn.close()
         self.log(f"trainer: server {cid} disconnected ({self.servers} connected)")
 
-    def _send(self, cid: int, message: tuple) -> None:
+    def _send(self, cid: int, message: Any) -> None:
         """Send to one server (lock held); a server that cannot be reached is dropped."""
         conn = self.conns.get(cid)
         try:
@@ -109,10 +107,10 @@ class TrainerHub:
         except (OSError, ValueError):
             self.conns.pop(cid, None)
 
-    def broadcast(self, message: tuple) -> None:
+    def broadcast(self, message: Any) -> None:
         with self.lock:
-            if message[0] in ("ready", "round"):
-                self.latest[message[0]] = message
+            if isinstance(message, (Ready, Round)):
+                self.latest[type(message)] = message
             for cid in list(self.conns):
                 self._send(cid, message)
 
@@ -125,18 +123,18 @@ class TrainerHub:
             except (OSError, EOFError, ValueError):
                 return
             self.broadcast(message)
-            if message[0] == "round":
-                m = message[2]
-                self.log(f"trainer: round {m['round']}: loss {m['loss']:.4f}, top-1 {m['top1_agreement']:.3f}, "
-                         f"{m['samples_used']} samples, {m['seconds']:.1f}s; sent to {self.servers} servers")
-            elif message[0] == "held":
-                c = message[1]["swap_check"]
-                self.log(f"trainer: round {c['round']} held by the swap check (scored {c['trained']:.3f} "
-                         f"against the served drafter's {c['served']:.3f})")
-            elif message[0] == "ready":
-                self.log("trainer: ready")
-            else:
-                self.log(f"trainer: error: {message[1]}")
+            match message:
+                case Round(_, m):
+                    self.log(f"trainer: round {m['round']}: loss {m['loss']:.4f}, top-1 {m['top1_agreement']:.3f}, "
+                             f"{m['samples_used']} samples, {m['seconds']:.1f}s; sent to {self.servers} servers")
+                case Held(metrics):
+                    c = metrics["swap_check"]
+                    self.log(f"trainer: round {c['round']} held by the swap check (scored {c['trained']:.3f} "
+                             f"against the served drafter's {c['served']:.3f})")
+                case Ready():
+                    self.log("trainer: ready")
+                case Error(text):
+                    self.log(f"trainer: error: {text}")
 
     def close(self) -> None:
         self.stopped = True
@@ -187,16 +185,16 @@ def serve(config: CotrainConfig, address: str, authkey: bytes,
 
 def hub_main(config: CotrainConfig, authkey: bytes, reply: Connection, parent: int) -> None:
     """Process entry of a server's own trainer hub (a server with several scheduler processes):
-    listen on a free loopback port, send it through ``reply`` (or the error text), and run until
-    the server process ``parent`` is gone."""
+    listen on a free loopback port, send it through ``reply`` (`HubPort`, or an `Error`), and run
+    until the server process ``parent`` is gone."""
     import traceback
 
     try:
         process, hub = _start(config, "127.0.0.1", 0, authkey, log=lambda line: None)
     except Exception:  # noqa: BLE001 - the server reports it and refuses to start
-        reply.send(("error", traceback.format_exc()))
+        reply.send(Error(traceback.format_exc()))
         return
-    reply.send(("port", hub.listener.address[1]))
+    reply.send(HubPort(hub.listener.address[1]))
     reply.close()
     _run(process, hub, parent)
 

@@ -18,7 +18,8 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
-from sglang_rl.drafter.cotrain import CotrainConfig, CotrainLoop, RolloutSample
+from sglang_rl.drafter.cotrain import CotrainConfig, CotrainLoop
+from sglang_rl.drafter.messages import RolloutSample
 from sglang_rl.hidden_states import decode_rows
 from sglang_rl.request_options import HIDDEN_STATES_POSITIONS_FIELD as POSITIONS_FIELD
 from sglang_rl.request_options import HIDDEN_STATES_ROWS_FIELD as ROWS_FIELD
