@@ -16,11 +16,12 @@ from typing import Callable, Optional, Sequence
 
 # subcommand -> (module whose main(argv) runs it, one line of help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "model": ("sglang_rl.default_model", "print the default model's folder (SmolLM2-135M-Instruct), building it if needed"),
+    "model": ("sglang_rl.widen.cli", "print the default model's folder (SmolLM2-135M-Instruct), building it if needed; "
+              "with --shape llama-8b --out DIR, write it widened to an 8B model's shape"),
     "calibrate": ("sglang_rl.calibration.fit", "fit TOPLOC verification bounds to a model (writes a calibration file)"),
     "calibrate-server": ("sglang_rl.calibration.servers", "calibration records from a generator server checked by a verifier server"),
     "evidence": ("sglang_rl_client.worker_evidence", "judge workers from their saved verification results"),
-    "drafter": ("sglang_rl.drafter.cli", "EAGLE drafter folders: `init` writes a random-init drafter; `trainer` serves one co-training trainer to several servers"),
+    "drafter": ("sglang_rl.drafter.cli", "EAGLE drafter folders: `init` writes a random-init drafter; `trainer` serves one co-training trainer to several servers; `widen` maps one to a widened model"),
     "audit": ("sglang_rl.integrations.verl.audit", "verify a sample of a verl run's rollouts on a verifier server"),
 }
 

@@ -1,6 +1,7 @@
 """``sglang-rl drafter init``: write a freshly initialised drafter folder for a target model
 (EAGLE-1/2, or EAGLE3 with ``--arch eagle3``).
-``sglang-rl drafter trainer``: one co-training trainer that several servers share."""
+``sglang-rl drafter trainer``: one co-training trainer that several servers share.
+``sglang-rl drafter widen``: a small model's drafter for that model widened (sglang_rl.widen)."""
 
 from __future__ import annotations
 
@@ -41,6 +42,9 @@ def _parser() -> ArgumentParser:
         "through the target's final norm and head)",
     )
     _trainer_parser(sub)
+    # flags parsed by sglang_rl.widen.cli.drafter_main (see main)
+    sub.add_parser("widen", add_help=False,
+                   help="map a drafter of a small model to the model widened by `sglang-rl model --out`")
     return parser
 
 
@@ -121,6 +125,11 @@ def _init_eagle3(args) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the process exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["widen"]:
+        from sglang_rl.widen.cli import drafter_main
+
+        return drafter_main(argv[1:])
     args = _parser().parse_args(argv)
     if args.command == "trainer":
         return _trainer(args)

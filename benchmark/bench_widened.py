@@ -1,0 +1,220 @@
+"""The widened SmolLM2 at an 8B model's shape: does it cost what the 8B shape costs, and does it
+still answer as SmolLM2 does?
+
+Builds the widened folder from --model-path (`sglang-rl model --shape llama-8b`; kept in --work-dir
+and reused when its config matches), then, one fresh Engine per process, one after another:
+1. widened: decode tok/s at each --batch-sizes (random prompts of --prompt-len, --output-len new
+   tokens, greedy, ignore_eos; median of --timed-runs after one untimed run), then greedy answers
+   to --agree-prompts GSM8K chat prompts (at most --agree-tokens each);
+2. dummy: the same shape and config with --load-format dummy (random weights): decode tok/s;
+3. small: SmolLM2 itself: the same greedy answers.
+Prints the decode table (widened over dummy) and the agreement (answers identical to SmolLM2's, mean
+share of each answer that is a common prefix); writes everything as JSON to --out.
+
+    python benchmark/bench_widened.py --model-path SMOLLM2_DIR --work-dir /tmp/widened --out widened.json
+    python benchmark/bench_widened.py --cpu --out /tmp/widened-cpu.json   # tiny shape, float32, CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import engine_kwargs, print_table, random_prompts, run_in_subprocesses  # noqa: E402
+
+# a small real widening of every dimension, for trying the script on a CPU
+CPU_SHAPE = {"hidden_size": 1152, "num_heads": 12, "num_kv_heads": 4, "head_dim": 128, "intermediate_size": 1600,
+             "num_layers": 31}
+SIZE_FLAGS = ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "num_layers")
+
+
+def wide_shape(args: argparse.Namespace, small_cfg: dict):
+    from sglang_rl.widen.shape import NAMED_SHAPES, Shape
+
+    base = NAMED_SHAPES[args.shape] if args.shape else Shape.from_config(small_cfg)
+    return base.replace(hidden_size=args.hidden_size, num_attention_heads=args.num_heads,
+                        num_key_value_heads=args.num_kv_heads, head_dim=args.head_dim,
+                        intermediate_size=args.intermediate_size, num_hidden_layers=args.num_layers)
+
+
+def build_folders(args: argparse.Namespace) -> dict:
+    """The widened folder (built unless an identical one is there) and its dummy twin (config and
+    tokenizer only)."""
+    from sglang_rl.widen.model import widen_model
+    from sglang_rl.widen.writer import copy_side_files
+
+    src, work = Path(args.model_path), Path(args.work_dir)
+    small_cfg = json.loads((src / "config.json").read_text())
+    shape = wide_shape(args, small_cfg)
+    wide, dummy = work / "widened", work / "dummy"
+    stamp = {"src": str(src.resolve()), "shape": shape.__dict__, "layout": args.layout, "dtype": args.dtype}
+    stamp_file = work / "widened.stamp.json"
+    t = time.perf_counter()
+    if not (stamp_file.exists() and json.loads(stamp_file.read_text()) == stamp and (wide / "config.json").exists()):
+        work.mkdir(parents=True, exist_ok=True)
+        # small shards on a CPU box: the writer holds one shard in memory
+        widen_model(src, wide, shape, layout=args.layout, dtype=args.dtype, log=print,
+                    shard_bytes=(256 if args.cpu else 2048) << 20)
+        stamp_file.write_text(json.dumps(stamp))
+    build_s = round(time.perf_counter() - t, 1)
+    shutil.rmtree(dummy, ignore_errors=True)
+    dummy.mkdir(parents=True)
+    shutil.copyfile(wide / "config.json", dummy / "config.json")
+    copy_side_files(wide, dummy)
+    vocab = int(small_cfg["vocab_size"])
+    return {"widened": str(wide), "dummy": str(dummy), "small": str(src), "build_s": build_s,
+            "shape": shape.__dict__, "parameters": shape.num_parameters(vocab), "layout": args.layout}
+
+
+def timed(llm, batch: int, args: argparse.Namespace) -> float:
+    """Median output tok/s of --timed-runs batches after one untimed one."""
+    prompts = random_prompts(batch, args.prompt_len, seed=batch)
+    sp = {"max_new_tokens": args.output_len, "temperature": 0, "ignore_eos": True}
+    rates = []
+    for n in range(args.timed_runs + 1):
+        llm.flush_cache()
+        t = time.perf_counter()
+        outs = llm.generate(input_ids=prompts, sampling_params=sp)
+        elapsed = time.perf_counter() - t
+        if n:
+            rates.append(sum(o["meta_info"]["completion_tokens"] for o in outs) / elapsed)
+    return round(statistics.median(rates), 1)
+
+
+def gsm8k_prompts(model_path: str, n: int) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    from sglang_rl.datasets import gsm8k_path
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    with open(gsm8k_path()) as f:
+        chats = [json.loads(line)["messages"] for line in f][:n]
+    return [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+            for c in chats]
+
+
+def one_process(args: argparse.Namespace) -> dict:
+    """Run one Engine (--role widened, dummy or small) and measure what that role needs."""
+    import sglang as sgl
+
+    folders = json.loads(args.folders)
+    path = folders[args.role]
+    extra = {} if args.cpu else {"cuda_graph_max_bs_decode": max(args.batch_sizes)}
+    t = time.perf_counter()
+    llm = sgl.Engine(**engine_kwargs(path, args.role == "dummy", not args.cpu, **extra))
+    result: dict = {"role": args.role, "startup_s": round(time.perf_counter() - t, 1)}
+    try:
+        if args.role != "small":
+            result["decode_tok_s"] = {}
+            for batch in args.batch_sizes:
+                result["decode_tok_s"][str(batch)] = timed(llm, batch, args)
+                print(f"# {args.role} batch {batch}: {result['decode_tok_s'][str(batch)]} tok/s", flush=True)
+        if args.role != "dummy" and args.agree_prompts:
+            prompts = gsm8k_prompts(folders["small"], args.agree_prompts)
+            outs = llm.generate(input_ids=prompts, sampling_params={"max_new_tokens": args.agree_tokens,
+                                                                   "temperature": 0})
+            result["answers"] = [o["output_ids"] for o in outs]
+    finally:
+        llm.shutdown()
+    return result
+
+
+def agreement(small: list[list[int]], wide: list[list[int]]) -> dict:
+    """Answers identical, and the mean share of each answer (the longer of the two) that is common."""
+    shares, same = [], 0
+    for a, b in zip(small, wide):
+        k = 0
+        while k < min(len(a), len(b)) and a[k] == b[k]:
+            k += 1
+        same += a == b
+        shares.append(k / max(len(a), len(b), 1))
+    return {"prompts": len(small), "identical": same, "mean_common_prefix": round(sum(shares) / max(len(shares), 1), 3),
+            "mean_answer_tokens": round(sum(map(len, small)) / max(len(small), 1), 1)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-path", help="the small model (default: the converted SmolLM2)")
+    p.add_argument("--work-dir", default="/tmp/widened", help="where the widened folder is built (kept)")
+    p.add_argument("--shape", default=None, help="named wide shape (default llama-8b; --cpu: a tiny one)")
+    for flag in SIZE_FLAGS:
+        p.add_argument("--" + flag.replace("_", "-"), type=int, default=None)
+    p.add_argument("--layout", default="copies", choices=["copies", "zeros"])
+    p.add_argument("--dtype", default=None, help="widened weights' dtype (default: the model's; --cpu: float32)")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=None, help="default 1 8 64 (--cpu: 1 2)")
+    p.add_argument("--prompt-len", type=int, default=None, help="default 128 (--cpu: 16)")
+    p.add_argument("--output-len", type=int, default=None, help="default 256 (--cpu: 8)")
+    p.add_argument("--timed-runs", type=int, default=2)
+    p.add_argument("--agree-prompts", type=int, default=None, help="GSM8K prompts (default 64; --cpu: 4)")
+    p.add_argument("--agree-tokens", type=int, default=None, help="answer tokens at most (default 128; --cpu: 16)")
+    p.add_argument("--roles", default="widened,dummy,small")
+    p.add_argument("--cpu", action="store_true", help="run on the CPU: float32, a small wide shape, short runs")
+    p.add_argument("--out", help="write the results here (JSON)")
+    p.add_argument("--role", help=argparse.SUPPRESS)
+    p.add_argument("--folders", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    cpu = args.cpu
+    defaults = {"batch_sizes": [1, 2] if cpu else [1, 8, 64], "prompt_len": 16 if cpu else 128,
+                "output_len": 8 if cpu else 256, "agree_prompts": 4 if cpu else 64, "agree_tokens": 16 if cpu else 128,
+                "dtype": "float32" if cpu else None, "shape": None if cpu else "llama-8b"}
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.role:
+        print("RESULT " + json.dumps(one_process(args)), flush=True)
+        return
+
+    if cpu:
+        os.environ["SGLANG_USE_CPU_ENGINE"] = "1"  # the Engine processes inherit it
+        if args.shape is None and all(getattr(args, f) is None for f in SIZE_FLAGS):
+            for key, value in CPU_SHAPE.items():
+                setattr(args, key, value)
+    if args.model_path is None:
+        from sglang_rl.default_model import ensure_default_model
+
+        args.model_path = str(ensure_default_model())
+    folders = build_folders(args)
+    print(f"# widened folder: {folders['widened']} ({folders['parameters'] / 1e9:.2f}B parameters, "
+          f"built in {folders['build_s']} s)", flush=True)
+    argv = sys.argv[1:] + ["--folders", json.dumps(folders), "--model-path", args.model_path]
+    results = {r["role"]: r for r in run_in_subprocesses(__file__, argv, "--role", args.roles.split(","))}
+    report: dict = {"folders": folders, "device": "cpu" if cpu else "gpu", "prompt_len": args.prompt_len,
+                    "output_len": args.output_len, "timed_runs": args.timed_runs, "roles": {
+                        k: {n: v for n, v in r.items() if n != "answers"} for k, r in results.items()}}
+    rows = []
+    if "widened" in results and "dummy" in results:
+        for batch in args.batch_sizes:
+            w, d = results["widened"]["decode_tok_s"][str(batch)], results["dummy"]["decode_tok_s"][str(batch)]
+            rows.append({"batch": batch, "widened_tok_s": w, "dummy_tok_s": d, "widened_vs_dummy": round(w / d, 3)})
+        report["decode"] = rows
+    if "widened" in results and "small" in results and args.agree_prompts:
+        report["agreement"] = {**agreement(results["small"]["answers"], results["widened"]["answers"]),
+                               "max_tokens": args.agree_tokens}
+        report["answers"] = {"small": results["small"]["answers"], "widened": results["widened"]["answers"]}
+    shape = folders["shape"]
+    print(f"\nwidened {Path(args.model_path).name} at hidden {shape['hidden_size']}, {shape['num_attention_heads']} "
+          f"heads of {shape['head_dim']}, {shape['num_key_value_heads']} KV heads, MLP {shape['intermediate_size']}, "
+          f"{shape['num_hidden_layers']} layers ({folders['parameters'] / 1e9:.2f}B parameters, layout "
+          f"{folders['layout']}); decode {args.prompt_len} prompt + {args.output_len} new tokens, greedy, "
+          f"median of {args.timed_runs}")
+    if rows:
+        print_table(rows, ["batch", "widened_tok_s", "dummy_tok_s", "widened_vs_dummy"])
+    if "agreement" in report:
+        a = report["agreement"]
+        print(f"\ngreedy agreement with {Path(args.model_path).name} on {a['prompts']} GSM8K prompts "
+              f"(at most {args.agree_tokens} tokens): {a['identical']}/{a['prompts']} answers identical, "
+              f"mean common prefix {a['mean_common_prefix']:.1%} of an answer")
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
