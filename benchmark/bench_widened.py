@@ -1,18 +1,21 @@
 """The widened SmolLM2 at an 8B model's shape: does it cost what the 8B shape costs, and does it
 still answer as SmolLM2 does?
 
-Builds the widened folder from --model-path (`sglang-rl model --shape llama-8b`; kept in --work-dir
-and reused when its config matches), then, one fresh Engine per process, one after another:
-1. widened: decode tok/s at each --batch-sizes (random prompts of --prompt-len, --output-len new
-   tokens, greedy, ignore_eos; median of --timed-runs after one untimed run), then greedy answers
-   to --agree-prompts GSM8K chat prompts (at most --agree-tokens each);
+Builds the widened folder of each --layouts entry from --model-path (as `sglang-rl model --shape
+llama-8b --out DIR` does; kept in --work-dir and reused when built the same way), then runs one
+fresh Engine per process, one after another:
+1. widened (the first layout): decode tok/s at each --batch-sizes (random prompts of --prompt-len,
+   --output-len new tokens, greedy, ignore_eos; median of --timed-runs after one untimed run), then
+   greedy answers to --agree-prompts GSM8K chat prompts (at most --agree-tokens each);
 2. dummy: the same shape and config with --load-format dummy (random weights): decode tok/s;
-3. small: SmolLM2 itself: the same greedy answers.
-Prints the decode table (widened over dummy) and the agreement (answers identical to SmolLM2's, mean
-share of each answer that is a common prefix); writes everything as JSON to --out.
+3. small: SmolLM2 itself: the same greedy answers;
+4. widened-LAYOUT for every further layout: the greedy answers.
+Prints the decode table (widened over dummy) and, per layout, the agreement with SmolLM2 (answers
+identical, mean share of an answer that is a common prefix); writes everything as JSON to --out.
 
     python benchmark/bench_widened.py --model-path SMOLLM2_DIR --work-dir /tmp/widened --out widened.json
-    python benchmark/bench_widened.py --cpu --out /tmp/widened-cpu.json   # tiny shape, float32, CPU
+    python benchmark/bench_widened.py --model-path SMOLLM2_DIR --layouts copies,zeros --out widened.json
+    python benchmark/bench_widened.py --cpu --out /tmp/widened-cpu.json   # small shape, float32, CPU
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import engine_kwargs, print_table, random_prompts, run_in_subprocesses  # noqa: E402
 
 # a small real widening of every dimension, for trying the script on a CPU
-CPU_SHAPE = {"hidden_size": 1152, "num_heads": 12, "num_kv_heads": 4, "head_dim": 128, "intermediate_size": 1600,
+CPU_SHAPE = {"hidden_size": 768, "num_heads": 12, "num_kv_heads": 4, "head_dim": 128, "intermediate_size": 1600,
              "num_layers": 31}
 SIZE_FLAGS = ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "num_layers")
 
@@ -45,32 +48,37 @@ def wide_shape(args: argparse.Namespace, small_cfg: dict):
 
 
 def build_folders(args: argparse.Namespace) -> dict:
-    """The widened folder (built unless an identical one is there) and its dummy twin (config and
-    tokenizer only)."""
+    """The widened folder of each --layouts entry (built unless an identical one is there) and the
+    dummy twin of the first (config and tokenizer only)."""
     from sglang_rl.widen.model import widen_model
     from sglang_rl.widen.writer import copy_side_files
 
     src, work = Path(args.model_path), Path(args.work_dir)
     small_cfg = json.loads((src / "config.json").read_text())
     shape = wide_shape(args, small_cfg)
-    wide, dummy = work / "widened", work / "dummy"
-    stamp = {"src": str(src.resolve()), "shape": shape.__dict__, "layout": args.layout, "dtype": args.dtype}
-    stamp_file = work / "widened.stamp.json"
-    t = time.perf_counter()
-    if not (stamp_file.exists() and json.loads(stamp_file.read_text()) == stamp and (wide / "config.json").exists()):
-        work.mkdir(parents=True, exist_ok=True)
-        # small shards on a CPU box: the writer holds one shard in memory
-        widen_model(src, wide, shape, layout=args.layout, dtype=args.dtype, log=print,
-                    shard_bytes=(256 if args.cpu else 2048) << 20)
-        stamp_file.write_text(json.dumps(stamp))
-    build_s = round(time.perf_counter() - t, 1)
+    layouts = args.layouts.split(",")
+    folders = {"small": str(src), "dummy": str(work / "dummy"), "build_s": {}}
+    for n, layout in enumerate(layouts):
+        wide = work / f"widened-{layout}"
+        stamp = {"src": str(src.resolve()), "shape": shape.__dict__, "layout": layout, "dtype": args.dtype}
+        stamp_file = work / f"widened-{layout}.stamp.json"
+        t = time.perf_counter()
+        if not (stamp_file.exists() and json.loads(stamp_file.read_text()) == stamp
+                and (wide / "config.json").exists()):
+            work.mkdir(parents=True, exist_ok=True)
+            # small shards on a CPU box: the writer holds one shard in memory
+            widen_model(src, wide, shape, layout=layout, dtype=args.dtype, log=print,
+                        shard_bytes=(256 if args.cpu else 2048) << 20)
+            stamp_file.write_text(json.dumps(stamp))
+        folders["build_s"][layout] = round(time.perf_counter() - t, 1)
+        folders["widened" if n == 0 else f"widened-{layout}"] = str(wide)
+    dummy = Path(folders["dummy"])
     shutil.rmtree(dummy, ignore_errors=True)
     dummy.mkdir(parents=True)
-    shutil.copyfile(wide / "config.json", dummy / "config.json")
-    copy_side_files(wide, dummy)
+    shutil.copyfile(Path(folders["widened"]) / "config.json", dummy / "config.json")
+    copy_side_files(Path(folders["widened"]), dummy)
     vocab = int(small_cfg["vocab_size"])
-    return {"widened": str(wide), "dummy": str(dummy), "small": str(src), "build_s": build_s,
-            "shape": shape.__dict__, "parameters": shape.num_parameters(vocab), "layout": args.layout}
+    return {**folders, "shape": shape.__dict__, "parameters": shape.num_parameters(vocab), "layouts": layouts}
 
 
 def timed(llm, batch: int, args: argparse.Namespace) -> float:
@@ -106,12 +114,12 @@ def one_process(args: argparse.Namespace) -> dict:
 
     folders = json.loads(args.folders)
     path = folders[args.role]
-    extra = {} if args.cpu else {"cuda_graph_max_bs_decode": max(args.batch_sizes)}
+    extra = {"max_total_tokens": 4096} if args.cpu else {"cuda_graph_max_bs_decode": max(args.batch_sizes)}
     t = time.perf_counter()
     llm = sgl.Engine(**engine_kwargs(path, args.role == "dummy", not args.cpu, **extra))
     result: dict = {"role": args.role, "startup_s": round(time.perf_counter() - t, 1)}
     try:
-        if args.role != "small":
+        if args.role in ("widened", "dummy"):
             result["decode_tok_s"] = {}
             for batch in args.batch_sizes:
                 result["decode_tok_s"][str(batch)] = timed(llm, batch, args)
@@ -146,7 +154,8 @@ def main() -> None:
     p.add_argument("--shape", default=None, help="named wide shape (default llama-8b; --cpu: a tiny one)")
     for flag in SIZE_FLAGS:
         p.add_argument("--" + flag.replace("_", "-"), type=int, default=None)
-    p.add_argument("--layout", default="copies", choices=["copies", "zeros"])
+    p.add_argument("--layouts", default="copies", help="widened layouts, comma-separated (copies, zeros): the "
+                   "first is timed against the dummy shape, every one is compared with the small model")
     p.add_argument("--dtype", default=None, help="widened weights' dtype (default: the model's; --cpu: float32)")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=None, help="default 1 8 64 (--cpu: 1 2)")
     p.add_argument("--prompt-len", type=int, default=None, help="default 128 (--cpu: 16)")
@@ -154,7 +163,8 @@ def main() -> None:
     p.add_argument("--timed-runs", type=int, default=2)
     p.add_argument("--agree-prompts", type=int, default=None, help="GSM8K prompts (default 64; --cpu: 4)")
     p.add_argument("--agree-tokens", type=int, default=None, help="answer tokens at most (default 128; --cpu: 16)")
-    p.add_argument("--roles", default="widened,dummy,small")
+    p.add_argument("--roles", default=None, help="engines to run (default: widened, dummy, small and one per "
+                   "further layout)")
     p.add_argument("--cpu", action="store_true", help="run on the CPU: float32, a small wide shape, short runs")
     p.add_argument("--out", help="write the results here (JSON)")
     p.add_argument("--role", help=argparse.SUPPRESS)
@@ -184,7 +194,9 @@ def main() -> None:
     print(f"# widened folder: {folders['widened']} ({folders['parameters'] / 1e9:.2f}B parameters, "
           f"built in {folders['build_s']} s)", flush=True)
     argv = sys.argv[1:] + ["--folders", json.dumps(folders), "--model-path", args.model_path]
-    results = {r["role"]: r for r in run_in_subprocesses(__file__, argv, "--role", args.roles.split(","))}
+    roles = args.roles.split(",") if args.roles else \
+        ["widened", "dummy", "small"] + [f"widened-{layout}" for layout in folders["layouts"][1:]]
+    results = {r["role"]: r for r in run_in_subprocesses(__file__, argv, "--role", roles)}
     report: dict = {"folders": folders, "device": "cpu" if cpu else "gpu", "prompt_len": args.prompt_len,
                     "output_len": args.output_len, "timed_runs": args.timed_runs, "roles": {
                         k: {n: v for n, v in r.items() if n != "answers"} for k, r in results.items()}}
@@ -194,22 +206,24 @@ def main() -> None:
             w, d = results["widened"]["decode_tok_s"][str(batch)], results["dummy"]["decode_tok_s"][str(batch)]
             rows.append({"batch": batch, "widened_tok_s": w, "dummy_tok_s": d, "widened_vs_dummy": round(w / d, 3)})
         report["decode"] = rows
-    if "widened" in results and "small" in results and args.agree_prompts:
-        report["agreement"] = {**agreement(results["small"]["answers"], results["widened"]["answers"]),
-                               "max_tokens": args.agree_tokens}
-        report["answers"] = {"small": results["small"]["answers"], "widened": results["widened"]["answers"]}
+    if "small" in results and args.agree_prompts:
+        report["agreement"] = {}
+        for role, layout in [("widened", folders["layouts"][0])] + [(f"widened-{lo}", lo) for lo in folders["layouts"][1:]]:
+            if role in results:
+                report["agreement"][layout] = {**agreement(results["small"]["answers"], results[role]["answers"]),
+                                               "max_tokens": args.agree_tokens}
+        report["answers"] = {role: r["answers"] for role, r in results.items() if "answers" in r}
     shape = folders["shape"]
     print(f"\nwidened {Path(args.model_path).name} at hidden {shape['hidden_size']}, {shape['num_attention_heads']} "
           f"heads of {shape['head_dim']}, {shape['num_key_value_heads']} KV heads, MLP {shape['intermediate_size']}, "
           f"{shape['num_hidden_layers']} layers ({folders['parameters'] / 1e9:.2f}B parameters, layout "
-          f"{folders['layout']}); decode {args.prompt_len} prompt + {args.output_len} new tokens, greedy, "
+          f"{folders['layouts'][0]}); decode {args.prompt_len} prompt + {args.output_len} new tokens, greedy, "
           f"median of {args.timed_runs}")
     if rows:
         print_table(rows, ["batch", "widened_tok_s", "dummy_tok_s", "widened_vs_dummy"])
-    if "agreement" in report:
-        a = report["agreement"]
-        print(f"\ngreedy agreement with {Path(args.model_path).name} on {a['prompts']} GSM8K prompts "
-              f"(at most {args.agree_tokens} tokens): {a['identical']}/{a['prompts']} answers identical, "
+    for layout, a in report.get("agreement", {}).items():
+        print(f"\ngreedy agreement with {Path(args.model_path).name}, layout {layout}, on {a['prompts']} GSM8K "
+              f"prompts (at most {args.agree_tokens} tokens): {a['identical']}/{a['prompts']} answers identical, "
               f"mean common prefix {a['mean_common_prefix']:.1%} of an answer")
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
