@@ -25,11 +25,12 @@ import requests
 import torch
 from safetensors.torch import load_file
 
-from e2e_servers import EAGER, POOL, Prepared, Server, ServerHandle, Spec, e2e_env, server_fixture
-from sglang_rl.drafter import init_drafter, load_drafter, save_drafter, sglang_weights
+from e2e_servers import EAGER, POOL, Server, ServerHandle, e2e_env, server_fixture
+from sglang_rl.drafter import init_drafter, load_drafter, sglang_weights
 from sglang_rl.drafter.saved_folder import METADATA_FILE, read_save_metadata
+from test_draft_weight_update import EAGLE as DRAFT_WEIGHTS
+from test_draft_weight_update import K
 
-K = 3
 TIMEOUT = 300
 
 ENGINE_SCRIPT = textwrap.dedent('''
@@ -59,22 +60,14 @@ ENGINE_SCRIPT = textwrap.dedent('''
 ''')
 
 
-def _start_drafter(model_path: str, workdir: Path) -> Prepared:
-    """The drafter the server starts with (random, seed 0)."""
-    start = save_drafter(init_drafter(model_path, seed=0, init="normal"), workdir / "start", dtype="float32")
-    return Prepared(args=("--speculative-draft-model-path", str(start)), data={"start": start})
-
-
-SAVE = Spec("save-draft", (
-    "--speculative-algorithm", "EAGLE", "--speculative-num-steps", str(K), "--speculative-eagle-topk", "1",
-    "--speculative-num-draft-tokens", str(K + 1), "--max-running-requests", "8"), env=EAGER, prepare=_start_drafter)
-
-eagle = server_fixture(SAVE, scope="module", doc="EAGLE with a random start-up drafter (`_start_drafter`).")
+# the server of test_draft_weight_update (same flags; the suite starts it once): its tests put its
+# weights back, and the start-up drafter's folder is the one a save is compared with
+eagle = server_fixture(DRAFT_WEIGHTS, scope="module", doc="EAGLE with test_draft_weight_update's start-up drafter.")
 
 
 @pytest.fixture(scope="module")
 def start_dir() -> Path:
-    return POOL.prepared_data(SAVE.key)["start"]
+    return POOL.prepared_data(DRAFT_WEIGHTS.key)["folders"]["start"]
 
 
 @pytest.fixture(scope="module")
