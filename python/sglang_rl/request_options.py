@@ -24,6 +24,7 @@ TOPLOC_FIELDS = (
     "toploc_verification_max_new_tokens",
     "toploc_verification_seeded_sampling",
     "toploc_verification_expect_seeded",
+    "toploc_verification_return_token_logprobs",
 )
 IDS_FIELDS = ("return_input_ids", "return_output_ids")
 HIDDEN_STATES_FIELDS = (
@@ -48,9 +49,13 @@ HIDDEN_STATES_ERROR_FIELD = "hidden_states_error"
 # Response fields of TOPLOC verification: a response's fingerprints, and a verification's result.
 FINGERPRINTS_FIELD = "toploc_verification_fingerprints"
 RESULT_FIELD = "toploc_verification_fingerprint_validation_result"
+TOKEN_LOGPROBS_FIELD = "toploc_verification_return_token_logprobs"
+"""Request field: a verification's result with per-token lists (response_token_logprobs)."""
 
 # Internal keys set by the API layer, never by users.
 RESPONSE_START_KEY = "toploc_response_start"
+DEVICE_CHECKS_KEY = "toploc_device_checks"
+"""A verification's token checks run in the scheduler, on the device: what they compute."""
 
 
 class RequestOptionError(ValueError):
@@ -117,7 +122,7 @@ def validate_fields(fields: dict, server_args: Any) -> dict:
             f"{' and '.join(expects)} exclude each other: a response was decoded greedily, sampled "
             "at temperature 1, or sampled with a seed"
         )
-    for name in EXPECT_FIELDS + (SEEDED_SAMPLING_KEY,) + IDS_FIELDS:
+    for name in EXPECT_FIELDS + (SEEDED_SAMPLING_KEY, TOKEN_LOGPROBS_FIELD) + IDS_FIELDS:
         value = fields.get(name)
         if value is None:
             continue

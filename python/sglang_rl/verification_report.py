@@ -1,9 +1,12 @@
 """The verification result returned to clients: fingerprint statistics plus token checks.
 
-The scheduler compares the prefill's rows with the proofs; here the report is completed with what
-the prefill's own log-probs say about the response tokens (is each one the model's argmax? what
-log-prob did the model give it?), so a verifier can also check greedy responses exactly and test
-that sampled ones were drawn from the model at temperature 1 (`sglang_rl.fingerprint.sampling`).
+The scheduler compares the prefill's rows with the proofs, and where it can it also computes the
+token checks from the rows and the LM head (`fingerprint.device_tokens`: is each response token
+the model's argmax? what log-prob did the model give it? the sampling tests); elsewhere they come
+from the prefill's own log-probs, read here. Either way a verifier can check greedy responses
+exactly and test that sampled ones were drawn from the model (`sglang_rl.fingerprint.sampling`,
+`seeded_sampling`). The result is compact unless the request asked for per-token lists
+(`response_token_logprobs`).
 """
 
 from __future__ import annotations
@@ -79,6 +82,12 @@ def _sampling_fields(report: dict, meta: dict, max_z: float) -> dict:
     return sampling_check(tokens, logprobs, top_lists, positions, max_z).to_dict()
 
 
+TOKEN_CHECKS_KEY = "token_checks"
+"""Scheduler report key: the token checks computed on the device (`fingerprint.device_tokens`)."""
+TOKEN_LISTS_KEY = "token_lists"
+"""Scheduler report key: whether the request asked for per-token lists."""
+_LISTS = ("response_token_logprobs",)
+
 # no vocabulary size known: bound the unseen tokens by a larger one (only fewer positions decide)
 _FALLBACK_VOCAB = 1 << 18
 
@@ -109,6 +118,8 @@ def finalize_report(report: dict, meta: dict, expect_greedy: bool = False, expec
     temperature-1 sampling test or a passing seeded check (`seeded`: the claimed sampling), if
     asked, and the termination check (`verdict`)."""
     out = dict(report)
+    device = out.pop(TOKEN_CHECKS_KEY, None)
+    token_lists = bool(out.pop(TOKEN_LISTS_KEY, True))
     if "error" in out:
         out["verified"] = False
         return complete_verdict(out, meta)
@@ -116,18 +127,38 @@ def finalize_report(report: dict, meta: dict, expect_greedy: bool = False, expec
     out["mant_err_mean"] = out.get("worst_mant_err_mean")
     out["mant_err_median"] = out.get("worst_mant_err_median")
     out["fingerprint_verified"] = bool(out.get("verified"))
-    out.update(_token_checks(out, meta))
+    if device is not None:
+        meta = _eos_meta(out, device)
+        out.update({k: v for k, v in device.items() if k != "response_last_logprob"})
+    else:
+        out.update(_token_checks(out, meta))
     verdict = out["fingerprint_verified"]
     if expect_greedy:
         out["expect_greedy"] = True
         verdict = verdict and bool(out.get("greedy_consistent"))
     if expect_sampled:
         out["expect_sampled"] = True
-        out.update(_sampling_fields(out, meta, max_sampling_z))
-        verdict = verdict and out["sampling_consistent"]
+        if device is None:
+            out.update(_sampling_fields(out, meta, max_sampling_z))
+        verdict = verdict and bool(out.get("sampling_consistent"))
     if seeded is not None:
         out["expect_seeded"] = True
-        out.update(_seeded_fields(out, meta, seeded))
-        verdict = verdict and out["seeded_consistent"]
+        if device is None:
+            out.update(_seeded_fields(out, meta, seeded))
+        else:
+            out["seeded_claim"] = {k: v for k, v in seeded.items() if k != "vocab_size"}
+        verdict = verdict and bool(out.get("seeded_consistent"))
+    if not token_lists:
+        for key in _LISTS:
+            out.pop(key, None)
     out["verified"] = verdict
     return complete_verdict(out, meta)
+
+
+def _eos_meta(report: dict, device: dict) -> dict:
+    """The last response token's log-prob from the device's checks, in the form the termination
+    check reads from sglang's input log-probs (its last entry)."""
+    logprob, token = device.get("response_last_logprob"), report.get("response_last_token")
+    if logprob is None or token is None:
+        return {}
+    return {"input_token_logprobs": [(logprob, token, None)]}

@@ -214,6 +214,7 @@ def verify_tokens(url: str, ids: list[int], fp: Any, *, via: str = "generate",
     flags = {name: value for name, value in (("toploc_verification_expect_greedy", expect_greedy),
                                              ("toploc_verification_expect_sampled", expect_sampled))
              if value is not None}
+    flags["toploc_verification_return_token_logprobs"] = True  # the tests read response_token_logprobs
     if via == "generate":
         body: dict = {"input_ids": ids, "sampling_params": {"max_new_tokens": max_tokens},
                       "toploc_verification_fingerprint_to_validate": fp, **flags}

@@ -21,10 +21,12 @@ from sglang_rl.fingerprint.termination import MAX_NEW_TOKENS_FIELD
 from sglang_rl.request_options import (
     ALL_FIELDS,
     CUSTOM_PARAMS_KEY,
+    DEVICE_CHECKS_KEY,
     HIDDEN_STATES_FIELDS,
     KCBS_FIELDS,
     RESPONSE_START_KEY,
     SEEDED_SAMPLING_KEY,
+    TOKEN_LOGPROBS_FIELD,
     RequestOptionError,
     pop_fields,
     seeded_claim,
@@ -241,9 +243,17 @@ def _hidden_states_entry(plan: ItemPlan, fields: dict, server_args: Any, in_proc
     return options_to_entry(opts)
 
 
+def checks_on_device(server_args: Any) -> bool:
+    """Whether a verification's token checks run in the scheduler from its rows and the LM head
+    (which needs the whole vocabulary's head on one rank), instead of from sglang's log-probs."""
+    return getattr(server_args, "tp_size", 1) == 1 and getattr(server_args, "pp_size", 1) == 1
+
+
 def _prepare_verification(plan: ItemPlan, params: dict, entry: dict, internal: dict,
                           prompt_len: Optional[int], server_args: Any) -> None:
-    """A verification request is one prefill; ask sglang for the log-probs of its response span."""
+    """A verification request is one prefill. Its token checks run on the device where the
+    server allows (`checks_on_device`: they are passed to the scheduler); elsewhere sglang is
+    asked for the log-probs of the response span."""
     fp = validate_fingerprint_to_validate(entry["toploc_verification_fingerprint_to_validate"], server_args)
     start = validate_verification_span(fp.n_rows, params, prompt_len, internal.get(RESPONSE_START_KEY))
     if start is not None:
@@ -252,13 +262,20 @@ def _prepare_verification(plan: ItemPlan, params: dict, entry: dict, internal: d
         plan.seeded_claim = seeded_claim(params)
         params.update(top_p=1.0, top_k=-1, min_p=0.0)
     params["temperature"] = 1.0
+    sampled = bool(entry.get("toploc_verification_expect_sampled"))
+    if sampled:
+        plan.max_sampling_z = server_args.toploc_verification_max_sampling_z
+    if checks_on_device(server_args):
+        seeded = None if plan.seeded_claim is None else dict(plan.seeded_claim)
+        internal[DEVICE_CHECKS_KEY] = {"sampled": sampled, "seeded": seeded,
+                                       "token_lists": bool(entry.get(TOKEN_LOGPROBS_FIELD))}
+        return
     plan.implicit_logprobs = not plan.return_logprob
     plan.return_logprob = True
     plan.logprob_start_len = max(start - 1, 0) if start is not None else 0
     plan.top_logprobs_num = max(plan.top_logprobs_num or 0, 1)
-    if entry.get("toploc_verification_expect_sampled"):
+    if sampled:
         plan.top_logprobs_num = max(plan.top_logprobs_num, SAMPLING_TOP_N)
-        plan.max_sampling_z = server_args.toploc_verification_max_sampling_z
     if plan.seeded_claim is not None:
         plan.top_logprobs_num = max(plan.top_logprobs_num, SEEDED_TOP_N)
 

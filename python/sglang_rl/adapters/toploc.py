@@ -11,14 +11,16 @@ the builders of finishing requests and hold their outputs until their proofs are
 `next_batch_after` and `idle_before` stream held outputs as soon as they are proven.
 
 Verification: a prefill-only request carrying a fingerprint captures its prefill rows (FULL mode
-for that request only); once its prefill is done, rows [L-1, L-1+n) - the rows that produced the
-n response tokens - are checked against the proofs with toploc's verifier.
+for that request only); rows [L-1, L-1+n) - the rows that produced the n response tokens - are
+checked against the proofs (`prefill_verification.PrefillVerification`): on the device in the
+worker's forward hook where the API planned its checks there (`worker_forward_after`), else
+with toploc's verifier once the prefill is done.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -27,15 +29,25 @@ from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOu
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 
 from sglang_rl.adapters import transport
+from sglang_rl.adapters.prefill_verification import (  # noqa: F401 - PrefillVerification: this module's name for it
+    DeviceChecks,
+    PrefillVerification,
+    TokenCheckSettings,
+    batch_rows,
+    check_batch,
+)
+from sglang_rl.adapters.request_plan import checks_on_device
 from sglang_rl.adapters.request_state import peek, state_of
-from sglang_rl.fingerprint import Fingerprint, FingerprintError, Thresholds, decode_fingerprint, verify_rows
+from sglang_rl.fingerprint import FingerprintError, Thresholds, decode_fingerprint
 from sglang_rl.fingerprint.builder import FingerprintBuilder
 from sglang_rl.fingerprint.calibration import UNCALIBRATED, ThresholdPolicy, cached_policy
 from sglang_rl.fingerprint.device_prover import DeviceProver
 from sglang_rl.fingerprint.pipeline import FingerprintPipeline
+from sglang_rl.fingerprint.seeded_sampling import SamplingClaim
+from sglang_rl.fingerprint.device_tokens import SeededRequest
 from sglang_rl.fingerprint.settings import PipelineSettings
-from sglang_rl.fingerprint.termination import MAX_NEW_TOKENS_FIELD, termination_inputs
-from sglang_rl.request_options import FINGERPRINTS_FIELD, RESPONSE_START_KEY, RESULT_FIELD
+from sglang_rl.fingerprint.termination import MAX_NEW_TOKENS_FIELD
+from sglang_rl.request_options import DEVICE_CHECKS_KEY, FINGERPRINTS_FIELD, RESPONSE_START_KEY, TOKEN_LOGPROBS_FIELD
 
 TO_VALIDATE_KEY = "toploc_verification_fingerprint_to_validate"
 ATTR = "_sglang_rl_fingerprints"
@@ -43,6 +55,8 @@ ATTR = "_sglang_rl_fingerprints"
 OWNERS = ("output_streamer", "tp_worker", "model_worker")
 """The scheduler's parts that carry its pipeline, besides the scheduler itself (its batch result
 processor, frozen, reaches it through its output streamer)."""
+CHECKS_ATTR = "_sglang_rl_device_checks"
+"""The attribute that carries a worker's `DeviceChecks` (verification on the device)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -107,6 +121,10 @@ def scheduler_init_after(result: None, scheduler: Any, *args: Any, **kwargs: Any
         owner = getattr(scheduler, name, None)
         if owner is not None:
             setattr(owner, ATTR, pipeline)
+            checks = (DeviceChecks.of_worker(owner, scheduler.server_args.toploc_verification_max_sampling_z)
+                      if checks_on_device(scheduler.server_args) else None)
+            if checks is not None:
+                setattr(owner, CHECKS_ATTR, checks)
 
 
 def pipeline_of(owner: Any) -> Optional[FingerprintPipeline]:
@@ -122,10 +140,17 @@ def processor_pipeline(processor: Any) -> Optional[FingerprintPipeline]:
 
 def worker_forward_after(result: Any, worker: Any, *args: Any, **kwargs: Any) -> Any:
     """AFTER a worker's forward_batch_generation: the batch result carries the worker's pipeline,
-    for the hook on its copy to the host (`scheduler.copy_to_cpu_around`)."""
+    for the hook on its copy to the host (`scheduler.copy_to_cpu_around`); a prefill's
+    verification requests take their rows on the device and start their checks there
+    (`prefill_verification.check_batch`, queued on the forward's stream, never waited for)."""
     pipeline = getattr(worker, ATTR, None)
     if pipeline is not None and result is not None:
         setattr(result, ATTR, pipeline)
+        checks = getattr(worker, CHECKS_ATTR, None)
+        batch = args[0] if args else kwargs.get("batch")
+        rows = None if checks is None else batch_rows(batch, result)
+        if rows is not None:
+            check_batch(checks, batch, rows)
     return result
 
 
@@ -207,82 +232,6 @@ def _stream_held(scheduler: Any, wait: bool) -> None:
         lambda ready: scheduler.output_streamer.stream_output(ready, any(r.return_logprob for r in ready)), wait)
 
 
-class PrefillVerification:
-    """A prefill-only request that validates a fingerprint against its own prefill rows, and
-    reports how the response ended (for the termination check, `fingerprint.termination`).
-    One whose fingerprint could not be read (normally refused earlier) is `rejected`: it keeps no
-    rows, and its report is the reason."""
-
-    def __init__(self, fingerprint: Optional[Fingerprint], response_start: int, thresholds: Optional[ThresholdPolicy],
-                 min_eos_prob: float = 0.0, max_new_tokens: Optional[int] = None,
-                 rejected: Optional[str] = None) -> None:
-        self.fingerprint = fingerprint
-        self.response_start = response_start
-        self.thresholds = thresholds
-        self.min_eos_prob = min_eos_prob
-        self.max_new_tokens = max_new_tokens
-        self.rejected = rejected
-        self.rows: list[torch.Tensor] = []
-        self.done = False
-
-    @classmethod
-    def rejecting(cls, reason: str) -> "PrefillVerification":
-        """A verification whose fingerprint failed validation, for `reason`."""
-        return cls(None, -1, None, rejected=reason)
-
-    @property
-    def capture_mode(self) -> CaptureHiddenMode:
-        """Every prefill row to check (FULL); a rejected one checks none."""
-        return CaptureHiddenMode.LAST if self.rejected is not None else CaptureHiddenMode.FULL
-
-    def add_rows(self, rows: torch.Tensor) -> None:
-        if self.rejected is None:
-            self.rows.append(rows.to("cpu", copy=True))
-
-    def post_report(self, req: Any) -> None:
-        """Post the report of a finished verification request (called as its output is sent)."""
-        if self.done or not req.finished():
-            return
-        if self.rejected is not None:
-            self.done = True
-            transport.post(req, **{RESULT_FIELD: {"error": self.rejected, "verified": False}})
-            return
-        try:
-            ids = req.origin_input_ids
-            report = self.finish(len(ids), ids[-1] if len(ids) else None, lambda token: is_stop_token(req, token))
-        except FingerprintError as exc:
-            report = {"error": str(exc), "verified": False}
-        transport.post(req, **{RESULT_FIELD: report})
-
-    def finish(self, prompt_len: int, last_token: Optional[int] = None,
-               is_stop: Callable[[int], bool] = lambda token: False) -> dict:
-        """Verify the captured rows; returns the report dict posted to the response.
-        `last_token` is the prefill's last token, `is_stop` tells the model's EOS / stop ids."""
-        self.done = True
-        n = self.fingerprint.n_rows
-        start = self.response_start if self.response_start >= 0 else prompt_len - n
-        captured = torch.cat(self.rows) if self.rows else torch.empty(0)
-        self.rows = []
-        first_captured = prompt_len - captured.shape[0]
-        lo, hi = start - 1, start - 1 + n
-        if start < 1 or hi > prompt_len:
-            raise FingerprintError(
-                f"the fingerprint covers {n} response tokens starting at position {start}, which does "
-                f"not fit a prefill of {prompt_len} tokens"
-            )
-        if lo < first_captured:
-            raise FingerprintError("the prefill rows of the response were not computed (prefix cache)")
-        rows = captured[lo - first_captured : hi - first_captured]
-        report = verify_rows(rows, self.fingerprint, self.thresholds.full, self.thresholds.short,
-                             self.thresholds.fail_factor).to_dict()
-        report["thresholds_source"] = self.thresholds.source
-        report["response_start"] = start
-        report["response_tokens"] = n
-        report.update(termination_inputs(start + n == prompt_len, last_token, is_stop, self.min_eos_prob,
-                                          self.max_new_tokens))
-        return report
-
-
 def adopt(req: Any, options: dict, server_args: Any, stores: bool) -> None:
     """A new scheduler request's TOPLOC state: a generation's fingerprint builder, or the
     verification of a fingerprint it carries. Its capture mode rises on every rank; the state is
@@ -299,6 +248,8 @@ def adopt(req: Any, options: dict, server_args: Any, stores: bool) -> None:
     else:
         verification = verification_for_request(options, server_args)
         needed = verification.capture_mode
+        if verification.on_device:  # on every rank: their radix caches decide alike
+            state_of(req).add_rows(verification.prefix_guard(len(req.origin_input_ids)))
         if stores:
             state_of(req).verification = verification
     req.return_hidden_states_mode = max(req.return_hidden_states_mode, needed)
@@ -319,18 +270,16 @@ def verification_for_request(options: dict, server_args: Any) -> PrefillVerifica
     start = int(options.get(RESPONSE_START_KEY, -1))
     return PrefillVerification(fp, start, thresholds_from_server_args(server_args),
                                getattr(server_args, "toploc_verification_min_eos_prob", 0.0),
-                               options.get(MAX_NEW_TOKENS_FIELD))
+                               options.get(MAX_NEW_TOKENS_FIELD), device=_check_settings(options),
+                               token_lists=bool(options.get(TOKEN_LOGPROBS_FIELD)))
 
 
-def is_stop_token(req: Any, token: int) -> bool:
-    """Whether sglang would end this request's generation on `token`: its stop_token_ids, the
-    model's EOS ids, the tokenizer's EOS and additional stop ids (`Req._check_token_based_finish`)."""
-    params = req.sampling_params
-    if params.stop_token_ids and token in params.stop_token_ids:
-        return True
-    if req.eos_token_ids and token in req.eos_token_ids:
-        return True
-    tokenizer = req.tokenizer
-    if tokenizer is None:
-        return False
-    return token == tokenizer.eos_token_id or token in (getattr(tokenizer, "additional_stop_token_ids", None) or ())
+def _check_settings(options: dict) -> Optional[TokenCheckSettings]:
+    """The device checks the API planned for a verification (`request_plan`), or None."""
+    planned = options.get(DEVICE_CHECKS_KEY)
+    if planned is None:
+        return None
+    claim = planned.get("seeded")
+    seeded = None if claim is None else SeededRequest(
+        SamplingClaim(claim["temperature"], claim["top_p"], claim["top_k"], claim["min_p"]), claim["seed"])
+    return TokenCheckSettings(bool(planned.get("sampled")), seeded, bool(planned.get("token_lists")))

@@ -206,7 +206,9 @@ class PendingTokenChecks:
     def results(self) -> list[dict[str, Any]]:
         """Per request, the verification report's token fields (`verification_report`'s names):
         argmax counts, mean log-prob, the next token's argmax, the last token's log-prob, and the
-        sampling and seeded checks where asked; per-token log-probs where asked."""
+        sampling and seeded checks where asked; per-token log-probs where asked. Read once."""
+        if self._host is not None:
+            return self._host[0]
         if self.ready is not None:
             self.ready.synchronize()
         summary, lists = self.summary.tolist(), self.lists.tolist()
@@ -235,14 +237,17 @@ class PendingTokenChecks:
                 fields.update(SeededCheck(checked=int(row[_S_CHECKED]), mismatches=int(row[_S_MISMATCH]),
                                           undecided=int(row[_S_UNDECIDED])).to_dict())
             out.append(fields)
+        self._host = (out,)
         return out
 
 
 def token_checks(requests: Sequence[TokenRequest], weight: torch.Tensor, max_z: float = DEFAULT_MAX_Z,
-                 epsilon: float = EPSILON) -> PendingTokenChecks:
+                 epsilon: float = EPSILON, logit_scale: Optional[float] = None,
+                 softcap: Optional[float] = None) -> PendingTokenChecks:
     """Start the token checks of several requests in one batched pass: logits = rows x
     `weight`.T ([vocab, H], the LM head, on the rows' device; the rows are the final-norm ones),
-    in slices of rows."""
+    in slices of rows; then times `logit_scale` and soft-capped at `softcap` where the model's
+    logits processor does so."""
     device, vocab = weight.device, weight.shape[0]
     counts = [r.rows.shape[0] for r in requests]
     total = sum(counts)
@@ -270,6 +275,10 @@ def token_checks(requests: Sequence[TokenRequest], weight: torch.Tensor, max_z: 
     for lo in range(0, total, step):
         hi = min(lo + step, total)
         logits = (rows[lo:hi].to(weight.dtype) @ weight.T).float()
+        if logit_scale is not None:
+            logits.mul_(logit_scale)
+        if softcap:
+            logits.div_(softcap).tanh_().mul_(softcap)
         lse = logits.logsumexp(dim=1, keepdim=True)
         logits.sub_(lse)  # log-probs from here on
         logprobs[lo:hi] = logits.gather(1, targets[lo:hi].clamp(min=0).unsqueeze(1)).squeeze(1)

@@ -170,6 +170,7 @@ class PendingStatistics:
     stats: torch.Tensor
     chunk_counts: list[int]
     ready: torch.cuda.Event | None = None
+    _results: list | None = None
 
     @classmethod
     def start(cls, stats: torch.Tensor, chunk_counts: list[int]) -> "PendingStatistics":
@@ -186,7 +187,9 @@ class PendingStatistics:
         return self.ready is None or self.ready.query()
 
     def results(self) -> list[tuple[ChunkResult, ...]]:
-        """Per item, its chunks' toploc statistics."""
+        """Per item, its chunks' toploc statistics (read once; later calls return the same)."""
+        if self._results is not None:
+            return self._results
         if self.ready is not None:
             self.ready.synchronize()
         rows = self.stats.tolist()
@@ -195,6 +198,7 @@ class PendingStatistics:
             out.append(tuple(ChunkResult(int(e), float(mean), float(median))
                              for e, mean, median in rows[start: start + count]))
             start += count
+        self._results = out
         return out
 
 
