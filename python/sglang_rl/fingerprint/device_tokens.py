@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from sglang_rl.fingerprint import sampling, seeded_sampling
+from sglang_rl.fingerprint.device_verify import to_device
 from sglang_rl.fingerprint.sampling import DEFAULT_MAX_Z, SamplingCheck
 from sglang_rl.fingerprint.seeded_sampling import EPSILON, SamplingClaim, SeededCheck
 
@@ -110,8 +111,8 @@ def _gumbel_at(seed: int, positions: Sequence[int], ids: torch.Tensor, vocab: in
     for i in range(0, len(positions), step):
         part = positions[i: i + step]
         keys = [[seeded_sampling._key(seed, p, salt) for p in part] for salt in (0, 1)]
-        hi = seeded_sampling._hash32(torch.tensor(keys[0], device=device).unsqueeze(1), tokens) >> 6
-        lo = seeded_sampling._hash32(torch.tensor(keys[1], device=device).unsqueeze(1), tokens) >> 5
+        hi = seeded_sampling._hash32(to_device(torch.tensor(keys[0]), device).unsqueeze(1), tokens) >> 6
+        lo = seeded_sampling._hash32(to_device(torch.tensor(keys[1]), device).unsqueeze(1), tokens) >> 5
         noise = ((hi << 27) + lo).double().add_(0.5).div_(float(1 << 53)).log_().neg_().log_().neg_()
         picked = ids[i: i + step]
         at.append(noise.gather(1, picked))
@@ -161,7 +162,7 @@ def _log_tail_bounds(lp: torch.Tensor, vocab: int, temperature: float) -> tuple[
     log_rest = torch.log(rest.clamp(min=1e-300))
     packed = log_rest + lp[:, -1] * (1.0 / temperature - 1.0)
     spread = math.log(count) + (log_rest - math.log(count)) / temperature
-    none = torch.tensor(-math.inf, dtype=lp.dtype, device=lp.device)
+    none = torch.full((), -math.inf, dtype=lp.dtype, device=lp.device)
     empty = rest <= 0.0
     return torch.where(empty, none, torch.minimum(packed, spread)), torch.where(empty, none, torch.maximum(packed, spread))
 
@@ -175,7 +176,7 @@ def seeded_counts(top_lp: torch.Tensor, top_ids: torch.Tensor, targets: torch.Te
     sure_in, sure_out, outside = _membership(top_lp, vocab, claim, d)
     noise_at, noise_rest = _gumbel_at(request.seed, positions, top_ids, vocab)
     scores = top_lp / claim.temperature + noise_at
-    minus_inf = torch.tensor(-math.inf, dtype=scores.dtype, device=scores.device)
+    minus_inf = torch.full((), -math.inf, dtype=scores.dtype, device=scores.device)
     best = torch.where(sure_in, scores, minus_inf).argmax(dim=1, keepdim=True)
     rivals = ~sure_out
     rivals.scatter_(1, best, False)
@@ -261,8 +262,8 @@ def token_checks(requests: Sequence[TokenRequest], weight: torch.Tensor, max_z: 
     seeded_np = np.repeat([r.seeded is not None for r in requests], counts) & (targets_np >= 0) \
         if requests else np.zeros(0, bool)
     rows = torch.cat([r.rows for r in requests]) if requests else torch.empty(0, weight.shape[1], device=device)
-    targets = torch.from_numpy(targets_np).to(device, non_blocking=True)
-    owners = torch.from_numpy(owner).to(device, non_blocking=True)
+    targets = to_device(targets_np, device)
+    owners = to_device(owner, device)
 
     logprobs = torch.empty(total, dtype=torch.float32, device=device)
     argmax = torch.empty(total, dtype=torch.int64, device=device)
@@ -286,7 +287,7 @@ def token_checks(requests: Sequence[TokenRequest], weight: torch.Tensor, max_z: 
         for mask, n, out in ((sampled_np, n_sampling, sampled_top), (seeded_np, n_seeded, seeded_top)):
             picked = np.flatnonzero(mask[lo:hi])
             if picked.size:
-                out.append(_ranked_top(logits[torch.from_numpy(picked).to(device)], n))
+                out.append(_ranked_top(logits[to_device(picked, device)], n))
 
     has_target = targets >= 0
     finite = has_target & torch.isfinite(logprobs)
@@ -294,16 +295,16 @@ def token_checks(requests: Sequence[TokenRequest], weight: torch.Tensor, max_z: 
     summary[:, _CHECKED].index_add_(0, owners, has_target.double())
     summary[:, _FINITE].index_add_(0, owners, finite.double())
     summary[:, _LP_SUM].index_add_(0, owners, torch.where(finite, logprobs, 0.0).double())
-    ends = torch.from_numpy(np.cumsum(counts) - 1).to(device)
+    ends = to_device(np.cumsum(counts) - 1, device)
     summary[:, _NEXT] = argmax[ends].double()
-    last_target = torch.from_numpy(np.cumsum(counts) - np.asarray(counts) + np.asarray(
-        [max(len(r.targets) - 1, 0) for r in requests], dtype=np.int64)).to(device)
+    last_target = to_device(np.cumsum(counts) - np.asarray(counts) + np.asarray(
+        [max(len(r.targets) - 1, 0) for r in requests], dtype=np.int64), device)
     summary[:, _LAST_LP] = logprobs[last_target].double()
 
     if sampled_top:
         picked = np.flatnonzero(sampled_np)
-        index = torch.from_numpy(picked).to(device)
-        noise = torch.from_numpy(position_noise(positions_np[picked], targets_np[picked])).to(device)
+        index = to_device(picked, device)
+        noise = to_device(position_noise(positions_np[picked], targets_np[picked]), device)
         top_lp = torch.cat([t[0] for t in sampled_top])
         top_ids = torch.cat([t[1] for t in sampled_top])
         usable = finite[index]
@@ -326,7 +327,7 @@ def token_checks(requests: Sequence[TokenRequest], weight: torch.Tensor, max_z: 
             start += n
     wanted = [torch.arange(int(np.cumsum(counts)[i] - counts[i]), int(np.cumsum(counts)[i] - counts[i]) + len(r.targets))
               for i, r in enumerate(requests) if r.token_lists]
-    lists = logprobs[torch.cat(wanted).to(device)] if wanted else logprobs[:0]
+    lists = logprobs[to_device(torch.cat(wanted), device)] if wanted else logprobs[:0]
     return _start_copy(requests, summary, lists, max_z)
 
 

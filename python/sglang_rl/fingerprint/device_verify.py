@@ -41,6 +41,15 @@ _UNMATCHED = 1 << 20
 """Mantissa error given to an exponent mismatch so that sorting puts it after every real error."""
 
 
+def to_device(data: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host data on `device` without waiting there: a copy from pageable memory would first wait
+    for the stream's queued work (the forward), so an accelerator gets it from pinned memory."""
+    tensor = torch.from_numpy(np.ascontiguousarray(data)) if isinstance(data, np.ndarray) else data
+    if device.type == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def check_rows(rows: torch.Tensor, fp: Fingerprint) -> None:
     """Raise FingerprintError when `rows` [n, H] cannot be verified against `fp` (toploc would
     crash or verify fewer chunks): wrong shape or row count, or a chunk of fewer than topk
@@ -64,7 +73,7 @@ def proof_words(fps: Sequence[Fingerprint], device: torch.device) -> torch.Tenso
     topk = fps[0].topk
     raw = b"".join(proof for fp in fps for proof in fp.proofs)
     words = np.frombuffer(raw, dtype=">u2").astype(np.int64).reshape(-1, 1 + topk)
-    return torch.from_numpy(words).to(device, non_blocking=True)
+    return to_device(words, device)
 
 
 def _chunk_views(rows: torch.Tensor, fp: Fingerprint) -> list[torch.Tensor]:
@@ -119,8 +128,8 @@ def select_chunks(items: Sequence[tuple[torch.Tensor, Fingerprint]], topk: int, 
     if padded and len({view.shape[1] for view in views}) > 1:
         width = max(view.shape[1] for view in views)
         flat = torch.cat([torch.nn.functional.pad(view, (0, width - view.shape[1])) for view in views])
-        lengths = torch.tensor([view.shape[1] for view in views for _ in range(view.shape[0])],
-                               dtype=torch.int64).to(device, non_blocking=True)
+        lengths = to_device(torch.tensor([view.shape[1] for view in views for _ in range(view.shape[0])],
+                                         dtype=torch.int64), device)
         return _sliced_select(flat, topk, lengths)
     groups: dict[int, list[int]] = {}
     for position, view in enumerate(views):
@@ -130,7 +139,7 @@ def select_chunks(items: Sequence[tuple[torch.Tensor, Fingerprint]], topk: int, 
     bits = torch.empty_like(indices)
     for positions in groups.values():
         picked = _sliced_select(torch.cat([views[p] for p in positions]), topk)
-        rows = torch.cat([torch.arange(starts[p], starts[p + 1]) for p in positions]).to(device)
+        rows = to_device(torch.cat([torch.arange(starts[p], starts[p + 1]) for p in positions]), device)
         indices[rows], bits[rows] = picked
     return indices, bits
 
