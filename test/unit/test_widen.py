@@ -186,3 +186,11 @@ def test_cli_refuses_what_it_cannot_build(tmp_path: Path, capsys) -> None:
     (tmp_path / "taken" / "notes.txt").write_text("keep me")
     assert main(["--model-path", str(small), "--out", str(tmp_path / "taken"), "--num-layers", "5"]) == 2
     assert (tmp_path / "taken" / "notes.txt").exists()
+    from safetensors.torch import save_file
+
+    tensors = load_file(str(small / "model.safetensors"))
+    del tensors["model.layers.2.mlp.up_proj.weight"]
+    save_file(tensors, str(small / "model.safetensors"))
+    assert main(["--model-path", str(small), "--out", str(tmp_path / "w"), "--num-layers", "5"]) == 2
+    assert "up_proj" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["small", "taken"]  # a failed build leaves nothing

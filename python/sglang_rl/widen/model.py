@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -101,13 +102,23 @@ def widen_model(src: str | Path, out: str | Path, wide: Shape, layout: str = "co
     dtype = dtype or str(small_cfg.get("dtype") or small_cfg.get("torch_dtype") or "float32").removeprefix("torch.")
     if dtype not in DTYPES:
         raise WidenError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    torch_dtype = DTYPES[dtype]
     hidden = HiddenLayout.make(small.hidden_size, wide.hidden_size, layout)
+    tmp = staging_folder(out)
+    try:
+        _write(src, tmp, small_cfg, wide, hidden, dtype, shard_bytes, progress, log)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a failed build leaves nothing behind
+        raise
+    return finish_folder(tmp, out)
+
+
+def _write(src: Path, tmp: Path, small_cfg: dict, wide: Shape, hidden: HiddenLayout, dtype: str, shard_bytes: int,
+           progress: bool, log: Callable[[str], None] | None) -> None:
+    """Stream the widened tensors, config and side files of the model at ``src`` into ``tmp``."""
+    small, torch_dtype = Shape.from_config(small_cfg), DTYPES[dtype]
     layer_map = DecoderLayerMap(HeadMap(small, wide), hidden, torch_dtype)
     files = tensor_names(src)
     tied = bool(small_cfg.get("tie_word_embeddings", "lm_head.weight" not in files))
-
-    tmp = staging_folder(out)
     writer = ShardWriter(tmp, shard_bytes)
     embed = read_tensors(files, ["model.embed_tokens.weight"])["model.embed_tokens.weight"]
     writer.add("model.embed_tokens.weight", widen_embedding(embed, hidden, torch_dtype))
@@ -134,7 +145,6 @@ def widen_model(src: str | Path, out: str | Path, wide: Shape, layout: str = "co
     copy_side_files(src, tmp)
     if log:
         log(f"{len(shards)} shard(s), {writer.total_bytes / 2**30:.2f} GiB, layout {hidden.name}")
-    return finish_folder(tmp, out)
 
 
 def widen_norm_free_head(head: torch.Tensor, layout: HiddenLayout, dtype: torch.dtype) -> torch.Tensor:
