@@ -78,7 +78,8 @@ def hook_table() -> list[Hook]:
              "--toploc-verification: this scheduler's fingerprint pipeline, on the scheduler and the "
              "parts whose hooks use it (output streamer, workers)"),
         Hook(f"{SRT}.managers.tp_worker.TpModelWorker.forward_batch_generation", AFTER,
-             toploc.worker_forward_after, "the batch result carries the pipeline to its copy_to_cpu hook"),
+             toploc.worker_forward_after, "the batch result carries the pipeline to its copy_to_cpu hook; "
+             "a prefill's verifications are checked on the device from its rows"),
         *(Hook(f"{SRT}.speculative.{worker}.forward_batch_generation", AFTER, toploc.worker_forward_after,
                f"the same for {step} step's result")
           for worker, step in (("eagle_worker_v2.EAGLEWorkerV2", "an EAGLE / NEXTN"),

@@ -72,8 +72,12 @@ class Verification(Protocol):
 
     done: bool
 
+    @property
+    def on_device(self) -> bool:
+        """Whether the forward hook checks the rows where they are (no host copy to `add_rows`)."""
+
     def add_rows(self, rows: torch.Tensor) -> None:
-        """Prefill rows of the request, in order."""
+        """Prefill rows of the request, in order (the host path)."""
 
     def post_report(self, req: Any) -> None:
         """Post the finished request's report to its response (once)."""

@@ -186,8 +186,8 @@ def prefill_result_around(original: Callable, processor: Any, batch: Any, result
                 elif last_chunk:
                     collector.add_prefill(_take(rows, [hi - 1]), True, end)
             verification, builder = state.verification, state.fingerprint
-            if verification is not None and not verification.done:
-                verification.add_rows(_take(hidden, range(lo, hi)))
+            if verification is not None and not verification.done and not verification.on_device:
+                verification.add_rows(_take(hidden, range(lo, hi)))  # the host path (TP/PP > 1)
             elif builder is not None and not builder.done and req.inflight_middle_chunks <= 0:
                 builders.append(builder)
                 last_rows.append(hi - 1)
