@@ -9,7 +9,9 @@ fresh Engine per process, one after another:
    greedy answers to --agree-prompts GSM8K chat prompts (at most --agree-tokens each);
 2. dummy: the same shape and config with --load-format dummy (random weights): decode tok/s;
 3. small: SmolLM2 itself: the same greedy answers;
-4. widened-LAYOUT for every further layout: the greedy answers.
+4. widened-LAYOUT for every further layout: the greedy answers;
+5. with --control, small-serial: SmolLM2 again, one request at a time: how far bf16 batching alone
+   moves SmolLM2's own answers (the floor under the widened model's agreement).
 Prints the decode table (widened over dummy) and, per layout, the agreement with SmolLM2 (answers
 identical, mean share of an answer that is a common prefix); writes everything as JSON to --out.
 
@@ -113,7 +115,7 @@ def one_process(args: argparse.Namespace) -> dict:
     import sglang as sgl
 
     folders = json.loads(args.folders)
-    path = folders[args.role]
+    path = folders["small" if args.role == "small-serial" else args.role]
     extra = {"max_total_tokens": 4096} if args.cpu else {"cuda_graph_max_bs_decode": max(args.batch_sizes)}
     t = time.perf_counter()
     llm = sgl.Engine(**engine_kwargs(path, args.role == "dummy", not args.cpu, **extra))
@@ -126,9 +128,11 @@ def one_process(args: argparse.Namespace) -> dict:
                 print(f"# {args.role} batch {batch}: {result['decode_tok_s'][str(batch)]} tok/s", flush=True)
         if args.role != "dummy" and args.agree_prompts:
             prompts = gsm8k_prompts(folders["small"], args.agree_prompts)
-            outs = llm.generate(input_ids=prompts, sampling_params={"max_new_tokens": args.agree_tokens,
-                                                                   "temperature": 0})
-            result["answers"] = [o["output_ids"] for o in outs]
+            sp = {"max_new_tokens": args.agree_tokens, "temperature": 0}
+            if args.role == "small-serial":  # the control: the same model, one request at a time
+                result["answers"] = [llm.generate(input_ids=q, sampling_params=sp)["output_ids"] for q in prompts]
+            else:
+                result["answers"] = [o["output_ids"] for o in llm.generate(input_ids=prompts, sampling_params=sp)]
     finally:
         llm.shutdown()
     return result
@@ -165,6 +169,8 @@ def main() -> None:
     p.add_argument("--agree-tokens", type=int, default=None, help="answer tokens at most (default 128; --cpu: 16)")
     p.add_argument("--roles", default=None, help="engines to run (default: widened, dummy, small and one per "
                    "further layout)")
+    p.add_argument("--control", action="store_true", help="also answer with the small model one request at a time: "
+                   "its agreement with its own batched answers is what bf16 batching alone changes")
     p.add_argument("--cpu", action="store_true", help="run on the CPU: float32, a small wide shape, short runs")
     p.add_argument("--out", help="write the results here (JSON)")
     p.add_argument("--role", help=argparse.SUPPRESS)
@@ -195,7 +201,8 @@ def main() -> None:
           f"built in {folders['build_s']} s)", flush=True)
     argv = sys.argv[1:] + ["--folders", json.dumps(folders), "--model-path", args.model_path]
     roles = args.roles.split(",") if args.roles else \
-        ["widened", "dummy", "small"] + [f"widened-{layout}" for layout in folders["layouts"][1:]]
+        ["widened", "dummy", "small"] + [f"widened-{layout}" for layout in folders["layouts"][1:]] + \
+        (["small-serial"] if args.control else [])
     results = {r["role"]: r for r in run_in_subprocesses(__file__, argv, "--role", roles)}
     report: dict = {"folders": folders, "device": "cpu" if cpu else "gpu", "prompt_len": args.prompt_len,
                     "output_len": args.output_len, "timed_runs": args.timed_runs, "roles": {
@@ -212,6 +219,9 @@ def main() -> None:
             if role in results:
                 report["agreement"][layout] = {**agreement(results["small"]["answers"], results[role]["answers"]),
                                                "max_tokens": args.agree_tokens}
+        if "small-serial" in results:
+            report["agreement"]["small, one request at a time"] = {
+                **agreement(results["small"]["answers"], results["small-serial"]["answers"]), "max_tokens": args.agree_tokens}
         report["answers"] = {role: r["answers"] for role, r in results.items() if "answers" in r}
     shape = folders["shape"]
     print(f"\nwidened {Path(args.model_path).name} at hidden {shape['hidden_size']}, {shape['num_attention_heads']} "
@@ -222,7 +232,7 @@ def main() -> None:
     if rows:
         print_table(rows, ["batch", "widened_tok_s", "dummy_tok_s", "widened_vs_dummy"])
     for layout, a in report.get("agreement", {}).items():
-        print(f"\ngreedy agreement with {Path(args.model_path).name}, layout {layout}, on {a['prompts']} GSM8K "
+        print(f"\ngreedy agreement with {Path(args.model_path).name} (batched), {layout}, on {a['prompts']} GSM8K "
               f"prompts (at most {args.agree_tokens} tokens): {a['identical']}/{a['prompts']} answers identical, "
               f"mean common prefix {a['mean_common_prefix']:.1%} of an answer")
     if args.out:
