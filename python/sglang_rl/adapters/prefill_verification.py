@@ -26,7 +26,8 @@ from sglang_rl.adapters.request_state import peek
 from sglang_rl.fingerprint import Fingerprint, FingerprintError, verify_rows
 from sglang_rl.fingerprint.calibration import ThresholdPolicy
 from sglang_rl.fingerprint.device_tokens import PendingTokenChecks, SeededRequest, TokenRequest, token_checks
-from sglang_rl.fingerprint.device_verify import PendingStatistics, check_rows, report_from_chunks, verify_batch
+from sglang_rl.fingerprint.device_verify import PendingStatistics, check_rows, verify_batch
+from sglang_rl.fingerprint.verify import report_from_chunks
 from sglang_rl.fingerprint.termination import termination_inputs
 from sglang_rl.request_options import RESULT_FIELD
 from sglang_rl.verification_report import TOKEN_CHECKS_KEY, TOKEN_LISTS_KEY

@@ -32,7 +32,7 @@ from safetensors.torch import load_file, save_file
 
 from sglang_rl.drafter.checkpoint import INIT_SCHEMES, WEIGHTS_FILE, DrafterCheckpointError
 from sglang_rl.drafter.config import EAGLE3_ARCHITECTURE, DrafterConfig, dtype_from_name
-from sglang_rl.drafter.target_weights import _read, _tensor_files, load_target_head
+from sglang_rl.drafter.target_weights import _read, load_target_head, tensor_files
 
 __all__ = [
     "EAGLE3_ARCHITECTURE",
@@ -145,7 +145,7 @@ def eagle3_shapes(cfg: Mapping) -> dict[str, tuple[int, ...]]:
 
 
 def _target_final_norm(target_dir: Path, hidden: int) -> torch.Tensor:
-    files = _tensor_files(target_dir)
+    files = tensor_files(target_dir)
     name = next((n for n in ("model.norm.weight", "norm.weight") if n in files), None)
     return torch.ones(hidden) if name is None else _read(files, name).to(torch.float32)
 

@@ -33,8 +33,8 @@ class TargetHead:
         return self.embed is self.lm_head
 
 
-def _tensor_files(model_dir: Path) -> dict[str, Path]:
-    """Tensor name -> safetensors file holding it."""
+def tensor_files(model_dir: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file of ``model_dir`` that holds it."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
@@ -62,7 +62,7 @@ def load_target_head(model_dir: str | Path, dtype: torch.dtype | None = torch.fl
     """
     model_dir = Path(model_dir)
     config = json.loads((model_dir / "config.json").read_text())
-    files = _tensor_files(model_dir)
+    files = tensor_files(model_dir)
     embed_name = next((n for n in _EMBED_NAMES if n in files), None)
     if embed_name is None:
         raise KeyError(f"{model_dir} has no token embedding (looked for {_EMBED_NAMES})")

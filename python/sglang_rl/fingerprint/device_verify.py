@@ -32,7 +32,7 @@ from sglang_rl.fingerprint.verify import (
     ChunkResult,
     Thresholds,
     VerificationReport,
-    fingerprint_band,
+    report_from_chunks,
 )
 
 _MAX_SELECT_ELEMENTS = 2**28
@@ -227,32 +227,6 @@ def verify_batch(items: Sequence[tuple[torch.Tensor, Fingerprint]], padded: bool
     words = proof_words([fp for _, fp in items], device)
     indices, bits = select_chunks(items, topk, padded)
     return PendingStatistics.start(chunk_statistics(indices, bits, words), [fp.num_chunks for _, fp in items])
-
-
-def report_from_chunks(chunks: Sequence[ChunkResult], fp: Fingerprint, thresholds: Thresholds | None = None,
-                       short_chunk_thresholds: Thresholds | None = None,
-                       fail_factor: float = FAIL_FACTOR) -> VerificationReport:
-    """The verification report of one fingerprint from its chunks' statistics (`verify_rows`'s
-    bounds and bands)."""
-    if thresholds is None:
-        thresholds = Thresholds.for_topk(fp.topk)
-    chunks = tuple(chunks)
-    bounds = [thresholds] * len(chunks)
-    if short_chunk_thresholds is not None and fp.n_rows % fp.chunk_size:
-        bounds[-1] = short_chunk_thresholds
-    verdict, reason = fingerprint_band(chunks, bounds, fail_factor)
-    return VerificationReport(
-        chunks=chunks,
-        thresholds=thresholds,
-        worst_exp_mismatches=max(chunk.exp_mismatches for chunk in chunks),
-        worst_mant_err_mean=max(chunk.mant_err_mean for chunk in chunks),
-        worst_mant_err_median=max(chunk.mant_err_median for chunk in chunks),
-        verified=all(chunk.within(bound) for chunk, bound in zip(chunks, bounds)),
-        short_chunk_thresholds=short_chunk_thresholds,
-        fail_factor=fail_factor,
-        verdict=verdict,
-        reason=reason,
-    )
 
 
 def verify_rows_on_device(rows: torch.Tensor, fp: Fingerprint, thresholds: Thresholds | None = None,

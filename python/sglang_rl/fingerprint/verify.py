@@ -141,8 +141,19 @@ def verify_rows(
     )
     if len(chunks) != fp.num_chunks:
         raise FingerprintError(f"toploc returned {len(chunks)} results for {fp.num_chunks} proofs")
+    return report_from_chunks(chunks, fp, thresholds, short_chunk_thresholds, fail_factor)
+
+
+def report_from_chunks(chunks: Sequence[ChunkResult], fp: Fingerprint, thresholds: Thresholds | None = None,
+                       short_chunk_thresholds: Thresholds | None = None,
+                       fail_factor: float = FAIL_FACTOR) -> VerificationReport:
+    """The verification report of one fingerprint from its chunks' statistics (`verify_rows`'s
+    bounds and bands)."""
+    if thresholds is None:
+        thresholds = Thresholds.for_topk(fp.topk)
+    chunks = tuple(chunks)
     bounds = [thresholds] * len(chunks)
-    if short_chunk_thresholds is not None and n_rows % fp.chunk_size:
+    if short_chunk_thresholds is not None and fp.n_rows % fp.chunk_size:
         bounds[-1] = short_chunk_thresholds
     verdict, reason = fingerprint_band(chunks, bounds, fail_factor)
     return VerificationReport(

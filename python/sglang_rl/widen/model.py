@@ -35,7 +35,7 @@ from sglang_rl.widen.writer import (
     finish_folder,
     read_tensors,
     staging_folder,
-    tensor_names,
+    tensor_files,
 )
 
 __all__ = ["DTYPES", "check_small_config", "widen_model", "widened_config", "widening_of"]
@@ -117,7 +117,7 @@ def _write(src: Path, tmp: Path, small_cfg: dict, wide: Shape, hidden: HiddenLay
     """Stream the widened tensors, config and side files of the model at ``src`` into ``tmp``."""
     small, torch_dtype = Shape.from_config(small_cfg), DTYPES[dtype]
     layer_map = DecoderLayerMap(HeadMap(small, wide), hidden, torch_dtype)
-    files = tensor_names(src)
+    files = tensor_files(src)
     tied = bool(small_cfg.get("tie_word_embeddings", "lm_head.weight" not in files))
     writer = ShardWriter(tmp, shard_bytes)
     embed = read_tensors(files, ["model.embed_tokens.weight"])["model.embed_tokens.weight"]

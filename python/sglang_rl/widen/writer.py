@@ -15,27 +15,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-__all__ = ["COPIED_FILES", "ShardWriter", "copy_side_files", "finish_folder", "read_tensors", "staging_folder", "tensor_names"]
+from sglang_rl.drafter.target_weights import tensor_files
+
+__all__ = ["COPIED_FILES", "ShardWriter", "copy_side_files", "finish_folder", "read_tensors", "staging_folder", "tensor_files"]
 
 # tokenizer and generation files a model folder carries beside its weights
 COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                 "generation_config.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json")
 MARK_KEY = "sglang_rl_widened"  # config.json key that marks (and describes) a widened model
-
-
-def tensor_names(folder: Path) -> dict[str, Path]:
-    """Tensor name -> the safetensors file of ``folder`` that holds it."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        return {n: folder / f for n, f in json.loads(index.read_text())["weight_map"].items()}
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no safetensors files in {folder}")
-    out: dict[str, Path] = {}
-    for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            out.update({n: path for n in f.keys()})
-    return out
 
 
 def read_tensors(files: dict[str, Path], names: list[str]) -> dict[str, torch.Tensor]:
