@@ -11,7 +11,10 @@ fresh Engine per process, one after another:
 3. small: SmolLM2 itself: the same greedy answers;
 4. widened-LAYOUT for every further layout: the greedy answers;
 5. with --control, small-serial: SmolLM2 again, one request at a time: how far bf16 batching alone
-   moves SmolLM2's own answers (the floor under the widened model's agreement).
+   moves SmolLM2's own answers (the floor under the widened model's agreement);
+6. with --drafter DIR (a drafter of SmolLM2, widened here by `sglang-rl drafter widen`): small-eagle
+   and widened-eagle answer the GSM8K prompts with EAGLE (3 steps, top-1): acceptance of both pairs;
+   widened-eagle is also timed, for the speedup over plain decoding of the widened model.
 Prints the decode table (widened over dummy) and, per layout, the agreement with SmolLM2 (answers
 identical, mean share of an answer that is a common prefix); writes everything as JSON to --out.
 
@@ -32,7 +35,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import engine_kwargs, print_table, random_prompts, run_in_subprocesses  # noqa: E402
+from common import EAGLE, engine_kwargs, print_table, random_prompts, run_in_subprocesses  # noqa: E402
+
+from sglang_rl.drafter.acceptance import merge_histograms, position_accept_rates, tokens_per_step  # noqa: E402
 
 # a small real widening of every dimension, for trying the script on a CPU
 CPU_SHAPE = {"hidden_size": 768, "num_heads": 12, "num_kv_heads": 4, "head_dim": 128, "intermediate_size": 1600,
@@ -74,6 +79,12 @@ def build_folders(args: argparse.Namespace) -> dict:
             stamp_file.write_text(json.dumps(stamp))
         folders["build_s"][layout] = round(time.perf_counter() - t, 1)
         folders["widened" if n == 0 else f"widened-{layout}"] = str(wide)
+    if args.drafter:
+        from sglang_rl.widen.drafter import widen_drafter
+
+        out, arch = widen_drafter(args.drafter, folders["widened"], work / "drafter-widened")
+        folders.update({"drafter-small": str(Path(args.drafter).resolve()), "drafter-widened": str(out),
+                        "draft_algorithm": "EAGLE3" if arch.endswith("Eagle3") else "EAGLE"})
     dummy = Path(folders["dummy"])
     shutil.rmtree(dummy, ignore_errors=True)
     dummy.mkdir(parents=True)
@@ -83,9 +94,9 @@ def build_folders(args: argparse.Namespace) -> dict:
     return {**folders, "shape": shape.__dict__, "parameters": shape.num_parameters(vocab), "layouts": layouts}
 
 
-def timed(llm, batch: int, args: argparse.Namespace) -> float:
-    """Median output tok/s of --timed-runs batches after one untimed one."""
-    prompts = random_prompts(batch, args.prompt_len, seed=batch)
+def timed(llm, batch: int, args: argparse.Namespace, prompts: list[list[int]] | None = None) -> float:
+    """Median output tok/s of --timed-runs batches after one untimed one (random prompts unless given)."""
+    prompts = prompts or random_prompts(batch, args.prompt_len, seed=batch)
     sp = {"max_new_tokens": args.output_len, "temperature": 0, "ignore_eos": True}
     rates = []
     for n in range(args.timed_runs + 1):
@@ -115,8 +126,11 @@ def one_process(args: argparse.Namespace) -> dict:
     import sglang as sgl
 
     folders = json.loads(args.folders)
-    path = folders["small" if args.role == "small-serial" else args.role]
+    path = folders[{"small-serial": "small", "small-eagle": "small", "widened-eagle": "widened"}.get(args.role, args.role)]
     extra = {"max_total_tokens": 4096} if args.cpu else {"cuda_graph_max_bs_decode": max(args.batch_sizes)}
+    if args.role.endswith("-eagle"):  # the pair: the (widened) drafter on its target
+        extra.update(EAGLE, speculative_algorithm=folders["draft_algorithm"],
+                     speculative_draft_model_path=folders["drafter-" + args.role.split("-")[0]])
     t = time.perf_counter()
     llm = sgl.Engine(**engine_kwargs(path, args.role == "dummy", not args.cpu, **extra))
     result: dict = {"role": args.role, "startup_s": round(time.perf_counter() - t, 1)}
@@ -126,13 +140,22 @@ def one_process(args: argparse.Namespace) -> dict:
             for batch in args.batch_sizes:
                 result["decode_tok_s"][str(batch)] = timed(llm, batch, args)
                 print(f"# {args.role} batch {batch}: {result['decode_tok_s'][str(batch)]} tok/s", flush=True)
+        if args.role in ("widened", "widened-eagle") and args.drafter:  # speculation pays on text, not noise
+            result["gsm8k_tok_s"] = {}
+            for batch in args.batch_sizes:
+                result["gsm8k_tok_s"][str(batch)] = timed(llm, batch, args, gsm8k_prompts(folders["small"], batch))
+                print(f"# {args.role} GSM8K batch {batch}: {result['gsm8k_tok_s'][str(batch)]} tok/s", flush=True)
         if args.role != "dummy" and args.agree_prompts:
             prompts = gsm8k_prompts(folders["small"], args.agree_prompts)
             sp = {"max_new_tokens": args.agree_tokens, "temperature": 0}
             if args.role == "small-serial":  # the control: the same model, one request at a time
                 result["answers"] = [llm.generate(input_ids=q, sampling_params=sp)["output_ids"] for q in prompts]
             else:
-                result["answers"] = [o["output_ids"] for o in llm.generate(input_ids=prompts, sampling_params=sp)]
+                outs = llm.generate(input_ids=prompts, sampling_params=sp)
+                result["answers"] = [o["output_ids"] for o in outs]
+                if args.role.endswith("-eagle"):
+                    result["histogram"] = merge_histograms(o["meta_info"].get("spec_correct_drafts_histogram")
+                                                           for o in outs)
     finally:
         llm.shutdown()
     return result
@@ -169,6 +192,8 @@ def main() -> None:
     p.add_argument("--agree-tokens", type=int, default=None, help="answer tokens at most (default 128; --cpu: 16)")
     p.add_argument("--roles", default=None, help="engines to run (default: widened, dummy, small and one per "
                    "further layout)")
+    p.add_argument("--drafter", help="an EAGLE or EAGLE3 drafter folder of the small model: widened with the model, "
+                   "both pairs answer the GSM8K prompts (acceptance) and the widened pair is timed (speedup)")
     p.add_argument("--control", action="store_true", help="also answer with the small model one request at a time: "
                    "its agreement with its own batched answers is what bf16 batching alone changes")
     p.add_argument("--cpu", action="store_true", help="run on the CPU: float32, a small wide shape, short runs")
@@ -202,7 +227,7 @@ def main() -> None:
     argv = sys.argv[1:] + ["--folders", json.dumps(folders), "--model-path", args.model_path]
     roles = args.roles.split(",") if args.roles else \
         ["widened", "dummy", "small"] + [f"widened-{layout}" for layout in folders["layouts"][1:]] + \
-        (["small-serial"] if args.control else [])
+        (["small-serial"] if args.control else []) + (["small-eagle", "widened-eagle"] if args.drafter else [])
     results = {r["role"]: r for r in run_in_subprocesses(__file__, argv, "--role", roles)}
     report: dict = {"folders": folders, "device": "cpu" if cpu else "gpu", "prompt_len": args.prompt_len,
                     "output_len": args.output_len, "timed_runs": args.timed_runs, "roles": {
@@ -213,6 +238,17 @@ def main() -> None:
             w, d = results["widened"]["decode_tok_s"][str(batch)], results["dummy"]["decode_tok_s"][str(batch)]
             rows.append({"batch": batch, "widened_tok_s": w, "dummy_tok_s": d, "widened_vs_dummy": round(w / d, 3)})
         report["decode"] = rows
+    pairs = [role for role in ("small-eagle", "widened-eagle") if "histogram" in results.get(role, {})]
+    if pairs:
+        report["acceptance"] = {role: {"histogram": results[role]["histogram"],
+                                       "tokens_per_step": tokens_per_step(results[role]["histogram"]),
+                                       "accept_rates": position_accept_rates(results[role]["histogram"],
+                                                                             EAGLE["speculative_num_steps"])}
+                                for role in pairs}
+    if "widened-eagle" in results and "widened" in results:
+        plain, spec = results["widened"]["gsm8k_tok_s"], results["widened-eagle"]["gsm8k_tok_s"]
+        report["speculative"] = [{"batch": b, "widened_tok_s": plain[str(b)], "widened_eagle_tok_s": spec[str(b)],
+                                  "speedup": round(spec[str(b)] / plain[str(b)], 3)} for b in args.batch_sizes]
     if "small" in results and args.agree_prompts:
         report["agreement"] = {}
         for role, layout in [("widened", folders["layouts"][0])] + [(f"widened-{lo}", lo) for lo in folders["layouts"][1:]]:
@@ -235,6 +271,14 @@ def main() -> None:
         print(f"\ngreedy agreement with {Path(args.model_path).name} (batched), {layout}, on {a['prompts']} GSM8K "
               f"prompts (at most {args.agree_tokens} tokens): {a['identical']}/{a['prompts']} answers identical, "
               f"mean common prefix {a['mean_common_prefix']:.1%} of an answer")
+    for role, acc in report.get("acceptance", {}).items():
+        rates = ", ".join("-" if r is None else f"{r:.2f}" for r in acc["accept_rates"])
+        print(f"\n{role} ({folders['draft_algorithm']}, {EAGLE['speculative_num_steps']} steps, top-1) on the GSM8K "
+              f"prompts: {acc['tokens_per_step']:.3f} tokens per verify step, accept rate per position {rates}")
+    if "speculative" in report:
+        print(f"\nwidened model with and without its drafter on GSM8K prompts ({args.output_len} new tokens, greedy, "
+              "ignore_eos)")
+        print_table(report["speculative"], ["batch", "widened_tok_s", "widened_eagle_tok_s", "speedup"])
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
         print(f"wrote {args.out}")
