@@ -33,7 +33,8 @@ $PIP install -q --no-deps --no-build-isolation -e python
 touch "$VENV/.setup-stamp"
 [ "$STAGE" = tests ] || exit 0
 
-$PIP install -q -r requirements/cpu.txt -r requirements/test.txt
+# (sglang, installed without its dependencies above, would make pip list its CUDA-only requirements as conflicts)
+$PIP install -q --no-warn-conflicts -r requirements/cpu.txt -r requirements/test.txt
 # verl (for its rollout server's test) without its dependency tree
 $PIP install -q --no-deps verl==0.9.1
 # NGRAM's n-gram corpus is C++ that sglang compiles on first use; its header lacks <cstddef> for
