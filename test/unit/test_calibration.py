@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sglang_rl.adapters.toploc import PrefillVerification, thresholds_from_server_args
+from sglang_rl.adapters.prefill_verification import PrefillVerification
+from sglang_rl.adapters.toploc import thresholds_from_server_args
 from sglang_rl.fingerprint import Thresholds, verify_rows
 from sglang_rl.fingerprint.calibration import (
     UNCALIBRATED,

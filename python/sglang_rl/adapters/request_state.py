@@ -68,7 +68,7 @@ class Builder(Protocol):
 
 class Verification(Protocol):
     """A prefill-only request that checks a fingerprint against its own prefill rows (TOPLOC:
-    `adapters.toploc.PrefillVerification`), or that was rejected before it had any."""
+    `adapters.prefill_verification.PrefillVerification`), or that was rejected before it had any."""
 
     done: bool
 

@@ -29,7 +29,7 @@ from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOu
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 
 from sglang_rl.adapters import transport
-from sglang_rl.adapters.prefill_verification import (  # noqa: F401 - PrefillVerification: this module's name for it
+from sglang_rl.adapters.prefill_verification import (
     DeviceChecks,
     PrefillVerification,
     TokenCheckSettings,
