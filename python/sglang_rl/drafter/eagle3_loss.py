@@ -14,6 +14,11 @@ training pairs are the EAGLE-1/2 ones (``build_eagle_batch``): pair ``i`` feeds 
 ``loss = sum(w * CE(logits, label)) / sum(w)``; the prediction's argmax, mapped back to target
 ids, gives ``top1_agreement``. Full-vocabulary logits over many rows are computed in
 checkpointed row chunks (:data:`~sglang_rl.drafter.loss.FULL_VOCAB_CHUNK`), as in ``loss.py``.
+
+With ``target_probs`` (the ``sampled`` objective: the target's ``p_T`` of the labelled token's
+position, on the draft vocabulary's target ids) the loss adds ``tv_weight * (1 - sum min(p_T, q_T))``
+(``sampled.py``); the draft puts no mass outside its vocabulary, so ``p_T``'s mass there is never
+accepted and ``p_T`` is not renormalised.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from torch.utils.checkpoint import checkpoint
 from sglang_rl.drafter.eagle3_model import Eagle3Drafter
 from sglang_rl.drafter.loss import FULL_VOCAB_CHUNK, LossOutput
 from sglang_rl.drafter.model import segment_bounds
+from sglang_rl.drafter.sampled import tv_rows
 
 __all__ = ["eagle3_labels", "eagle3_loss"]
 
@@ -52,18 +58,22 @@ def eagle3_labels(model: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torc
     return labels, draft.clamp(min=0), weights
 
 
-def _ce_rows(model: Eagle3Drafter, g: torch.Tensor, draft: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row cross-entropy ``[m]`` and the argmax draft id ``[m]``."""
+def _ce_rows(model: Eagle3Drafter, g: torch.Tensor, draft: torch.Tensor, target_probs: torch.Tensor | None = None,
+             temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row cross-entropy ``[m]``, TV term ``[m]`` (zeros without ``target_probs``) and the argmax draft id."""
     logits = model.logits(g).float()
-    return F.cross_entropy(logits, draft, reduction="none"), logits.detach().argmax(dim=-1)
+    tv = logits.new_zeros(logits.shape[0]) if target_probs is None else tv_rows(logits, target_probs, temperature)
+    return F.cross_entropy(logits, draft, reduction="none"), tv, logits.detach().argmax(dim=-1)
 
 
 def eagle3_loss(model: Eagle3Drafter, g: torch.Tensor, draft_labels: torch.Tensor,
-                weights: torch.Tensor) -> LossOutput:
+                weights: torch.Tensor, target_probs: torch.Tensor | None = None, temperature: float = 1.0,
+                tv_weight: float = 1.0) -> LossOutput:
     """Masked mean cross-entropy of ``model.logits(g)`` (``g [N, H]``) against ``draft_labels [N]``.
 
     ``prob_loss`` is the cross-entropy, ``value_loss`` 0.0 (there is no regression term);
-    ``pred_top1`` holds the argmax as *target* ids of the rows with positive weight."""
+    ``pred_top1`` holds the argmax as *target* ids of the rows with positive weight.
+    ``target_probs [M, N_draft]``: ``p_T`` of the rows with positive weight (adds the TV term)."""
     g = g.reshape(-1, g.shape[-1])
     w_all = weights.reshape(-1).to(torch.float32)
     if not w_all.shape[0] == g.shape[0] == draft_labels.reshape(-1).shape[0]:
@@ -72,13 +82,19 @@ def eagle3_loss(model: Eagle3Drafter, g: torch.Tensor, draft_labels: torch.Tenso
     if keep.numel() == 0:
         return LossOutput(loss=g.sum() * 0.0, value_loss=0.0, prob_loss=0.0, num_tokens=0.0, pred_top1=None)
     w, rows, draft = w_all[keep], g[keep], draft_labels.reshape(-1)[keep].to(g.device)
+    if target_probs is not None and target_probs.shape[0] != keep.numel():
+        raise ValueError(f"target_probs cover {target_probs.shape[0]} rows, the weights keep {keep.numel()}")
     if rows.shape[0] <= FULL_VOCAB_CHUNK or not rows.requires_grad:
-        ce, top = _ce_rows(model, rows, draft)
+        ce, tv, top = _ce_rows(model, rows, draft, target_probs, temperature)
     else:
-        parts = [checkpoint(_ce_rows, model, rows[a:a + FULL_VOCAB_CHUNK], draft[a:a + FULL_VOCAB_CHUNK],
-                            use_reentrant=False) for a in range(0, rows.shape[0], FULL_VOCAB_CHUNK)]
-        ce, top = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        c = FULL_VOCAB_CHUNK
+        parts = [checkpoint(_ce_rows, model, rows[a:a + c], draft[a:a + c],
+                            None if target_probs is None else target_probs[a:a + c], temperature,
+                            use_reentrant=False) for a in range(0, rows.shape[0], c)]
+        ce, tv, top = (torch.cat([p[i] for p in parts]) for i in range(3))
     total = float(w.sum())
-    loss = (w * ce).sum() / total
-    return LossOutput(loss=loss, value_loss=0.0, prob_loss=float(loss.detach()), num_tokens=total,
-                      pred_top1=model.to_target_ids(top))
+    ce_loss = (w * ce).sum() / total
+    tv_loss = (w * tv).sum() / total
+    loss = ce_loss if target_probs is None else ce_loss + tv_weight * tv_loss
+    return LossOutput(loss=loss, value_loss=0.0, prob_loss=float(ce_loss.detach()), num_tokens=total,
+                      pred_top1=model.to_target_ids(top), tv_loss=float(tv_loss.detach()))

@@ -33,6 +33,11 @@ dominate CPU cost):
 
 The regression term always uses the full row. Full-vocabulary soft loss on many rows is
 computed in checkpointed row chunks (:data:`FULL_VOCAB_CHUNK`).
+
+``objective = "sampled"`` adds ``tv_weight * sum(w * tv) / sum(w)`` with
+``tv = 1 - sum_x min(p_T(x), q_T(x))``, ``p_T`` / ``q_T`` the target's / the prediction's softmax at
+``temperature`` over the same vocabulary as the soft term (``sampled.py``: the draft's expected
+acceptance under speculative sampling). ``"greedy"`` (the default) is the loss above unchanged.
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+from sglang_rl.drafter.sampled import check_objective, tempered_log_probs, tv_rows
 
 __all__ = [
     "FULL_VOCAB_CHUNK",
@@ -73,8 +80,19 @@ class EagleLossConfig:
     soft_topk: int | None = None
     vocab_subset: Sequence[int] | torch.Tensor | None = None
     smooth_l1_beta: float = 1.0
+    objective: str = "greedy"
+    temperature: float = 1.0
+    tv_weight: float = 1.0
+
+    @property
+    def tv_temperature(self) -> float | None:
+        """The TV term's temperature; None under the greedy objective (no TV term)."""
+        return self.temperature if self.objective == "sampled" else None
 
     def __post_init__(self) -> None:
+        check_objective(self.objective, self.temperature)
+        if self.tv_weight < 0:
+            raise ValueError("tv_weight must be non-negative")
         if self.soft_topk is not None and self.vocab_subset is not None:
             raise ValueError("soft_topk and vocab_subset are alternatives; set at most one")
         if self.soft_topk is not None and self.soft_topk < 1:
@@ -108,6 +126,7 @@ class LossOutput:
     prob_loss: float
     num_tokens: float
     pred_top1: torch.Tensor | None
+    tv_loss: float = 0.0
 
 
 def _subset_tensor(ids: Sequence[int] | torch.Tensor, vocab: int, device: torch.device) -> torch.Tensor:
@@ -133,49 +152,58 @@ def soft_targets(target_rows: torch.Tensor, head: torch.Tensor, config: EagleLos
     return SoftTargets(top1=top1)
 
 
+def _tv(logits: torch.Tensor, target_logp: torch.Tensor, temperature: float | None) -> torch.Tensor:
+    """Per-row TV term at ``temperature`` (zeros without one); ``target_logp`` at T = 1."""
+    if temperature is None:
+        return logits.new_zeros(logits.shape[0])
+    return tv_rows(logits, tempered_log_probs(target_logp, temperature).exp(), temperature)
+
+
 def _prob_loss(
-    pred: torch.Tensor, target: torch.Tensor, head: torch.Tensor, soft: SoftTargets
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-row soft cross-entropy ``[M]`` and, in full-vocab mode, the prediction's argmax."""
+    pred: torch.Tensor, target: torch.Tensor, head: torch.Tensor, soft: SoftTargets, temperature: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Per-row soft cross-entropy ``[M]``, per-row TV term ``[M]`` (zeros without a
+    ``temperature``) and, in full-vocab mode, the prediction's argmax."""
     pred = pred.to(head.dtype)
     if soft.token_ids is not None:
         n = soft.token_ids.shape[1]
         chunk = max(1, TOPK_GATHER_ELEMENTS // (n * head.shape[1]))
         if pred.shape[0] <= chunk or not pred.requires_grad:
-            return _topk_rows(pred, head, soft.token_ids, soft.probs), None
+            return (*_topk_rows(pred, head, soft.token_ids, soft.probs, temperature), None)
         parts = [
             checkpoint(_topk_rows, pred[a : a + chunk], head, soft.token_ids[a : a + chunk],
-                       soft.probs[a : a + chunk], use_reentrant=False)
+                       soft.probs[a : a + chunk], temperature, use_reentrant=False)
             for a in range(0, pred.shape[0], chunk)
         ]
-        return torch.cat(parts), None
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), None
     if soft.subset is not None:
         logits = F.linear(pred, head[soft.subset]).float()
-        return -(soft.probs * logits.log_softmax(dim=-1)).sum(dim=-1), None
+        ce = -(soft.probs * logits.log_softmax(dim=-1)).sum(dim=-1)
+        return ce, _tv(logits, soft.probs.log(), temperature), None
     target = target.to(head.dtype)
     if pred.shape[0] <= FULL_VOCAB_CHUNK or not pred.requires_grad:
-        return _full_vocab_rows(pred, target, head)
-    losses, top1 = [], []
-    for start in range(0, pred.shape[0], FULL_VOCAB_CHUNK):
-        stop = start + FULL_VOCAB_CHUNK
-        loss, arg = checkpoint(_full_vocab_rows, pred[start:stop], target[start:stop], head, use_reentrant=False)
-        losses.append(loss)
-        top1.append(arg)
-    return torch.cat(losses), torch.cat(top1)
+        return _full_vocab_rows(pred, target, head, temperature)
+    parts = [checkpoint(_full_vocab_rows, pred[a:a + FULL_VOCAB_CHUNK], target[a:a + FULL_VOCAB_CHUNK], head,
+                        temperature, use_reentrant=False) for a in range(0, pred.shape[0], FULL_VOCAB_CHUNK)]
+    return tuple(torch.cat([p[i] for p in parts]) for i in range(3))
 
 
-def _topk_rows(pred: torch.Tensor, head: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-    """Per-row soft cross-entropy over each row's own ids ``[m, N]`` (gathered head rows)."""
+def _topk_rows(pred: torch.Tensor, head: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor,
+               temperature: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row soft cross-entropy and TV term over each row's own ids ``[m, N]`` (gathered head rows)."""
     logits = torch.bmm(head[ids], pred.unsqueeze(-1)).squeeze(-1).float()
-    return -(probs * logits.log_softmax(dim=-1)).sum(dim=-1)
+    return -(probs * logits.log_softmax(dim=-1)).sum(dim=-1), _tv(logits, probs.log(), temperature)
 
 
-def _full_vocab_rows(pred: torch.Tensor, target: torch.Tensor, head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row soft cross-entropy over the whole vocabulary, and the prediction's argmax."""
+def _full_vocab_rows(pred: torch.Tensor, target: torch.Tensor, head: torch.Tensor,
+                     temperature: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row soft cross-entropy and TV term over the whole vocabulary, and the prediction's argmax."""
     logits = F.linear(pred, head).float()
     with torch.no_grad():
-        probs = F.linear(target, head).float().softmax(dim=-1)
-    return -(probs * logits.log_softmax(dim=-1)).sum(dim=-1), logits.detach().argmax(dim=-1)
+        target_logits = F.linear(target, head).float()
+        probs = target_logits.softmax(dim=-1)
+    ce = -(probs * logits.log_softmax(dim=-1)).sum(dim=-1)
+    return ce, _tv(logits, target_logits, temperature), logits.detach().argmax(dim=-1)
 
 
 def eagle_loss(
@@ -212,16 +240,20 @@ def eagle_loss(
     if soft.top1.shape[0] != keep.numel():
         raise ValueError(f"soft targets cover {soft.top1.shape[0]} rows, the mask keeps {keep.numel()}")
     pred_top1 = None
-    if config.prob_weight > 0:
-        prob, pred_top1 = _prob_loss(p, f, head, soft)
+    tv_loss = prob_loss = value_loss.new_zeros(())
+    temperature = config.tv_temperature
+    if config.prob_weight > 0 or temperature is not None:
+        prob, tv, pred_top1 = _prob_loss(p, f, head, soft, temperature)
         prob_loss = (w * prob).sum() / total
-    else:
-        prob_loss = value_loss.new_zeros(())
+        tv_loss = (w * tv).sum() / total
     loss = config.value_weight * value_loss + config.prob_weight * prob_loss
+    if temperature is not None:
+        loss = loss + config.tv_weight * tv_loss
     return LossOutput(
         loss=loss,
         value_loss=float(value_loss.detach()),
         prob_loss=float(prob_loss.detach()),
         num_tokens=total,
         pred_top1=pred_top1,
+        tv_loss=float(tv_loss.detach()),
     )

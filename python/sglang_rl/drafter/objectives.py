@@ -13,6 +13,12 @@ EAGLE-1/2 (:class:`EagleObjective`): ``target`` is the next target row, the loss
 target head's argmax of the true row. EAGLE3 (:class:`Eagle3Objective`): ``target`` is the
 draft-id label of each pair, the weights also drop pairs without a label, the loss is the
 cross-entropy of ``eagle3_loss``, ``top1`` the label's target id.
+
+The ``sampled`` objective (``EagleLossConfig.objective``, ``sampled.py``) adds the TV term at the
+config's temperature to both. EAGLE-1/2 reads ``p_T`` from the target head over the true next
+row it already has; EAGLE3 rows are the target's aux rows, which do not give ``p_T``: its sampled
+objective needs rows laid out ``[aux | final]`` (the target's final row after the aux rows; the
+drafter reads the aux part) and the target's LM head.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Mapping
 
 import torch
+import torch.nn.functional as F
 
 from sglang_rl.drafter.eagle3_loss import eagle3_labels, eagle3_loss
 from sglang_rl.drafter.eagle3_model import Eagle3Drafter
@@ -66,26 +73,53 @@ class EagleObjective:
 
 class Eagle3Objective:
     """EAGLE3: cross-entropy against the next sampled token, in the draft vocabulary
-    (``eagle3_loss.py``). The EAGLE-1/2 loss options (weights, soft vocabulary) do not apply."""
+    (``eagle3_loss.py``). The EAGLE-1/2 loss options (weights, soft vocabulary) do not apply;
+    ``objective``, ``temperature`` and ``tv_weight`` do (the sampled one needs ``target_head``)."""
 
-    def __init__(self, model: Eagle3Drafter) -> None:
+    def __init__(self, model: Eagle3Drafter, loss: EagleLossConfig = EagleLossConfig(),
+                 target_head: torch.Tensor | None = None) -> None:
         self.model = model
+        self.loss_config = loss
+        self.temperature = loss.tv_temperature
+        if self.temperature is not None and target_head is None:
+            raise ValueError("the sampled objective for EAGLE3 needs the target's LM head (target_head)")
+        self.target_head = target_head
 
     def targets(self, batch: Mapping[str, torch.Tensor], ids: torch.Tensor, mask: torch.Tensor,
                 cu_seqlens: torch.Tensor) -> Targets:
-        """``(draft-id labels [N], label-aware weights [N], label target ids of weighted pairs)``."""
+        """``(draft-id labels [N], label-aware weights [N], label target ids of weighted pairs and,
+        under the sampled objective, their ``p_T`` on the draft vocabulary)``."""
         labels, draft, weights = eagle3_labels(self.model, ids, mask, cu_seqlens)
-        return draft, weights, SoftTargets(top1=labels[weights > 0])
+        keep = weights > 0
+        if self.temperature is None:
+            return draft, weights, SoftTargets(top1=labels[keep])
+        return draft, weights, SoftTargets(top1=labels[keep], probs=self._target_probs(batch, ids.shape[0], keep))
+
+    @torch.no_grad()
+    def _target_probs(self, batch: Mapping[str, torch.Tensor], n: int, keep: torch.Tensor) -> torch.Tensor:
+        """``p_T`` ``[M, N_draft]`` of the weighted pairs from the final part of their next rows."""
+        width, hidden = self.model.feature_width, self.model.config.hidden_size
+        rows = batch["target"].reshape(n, -1)
+        if rows.shape[1] != width + hidden:
+            raise ValueError(f"the sampled objective for EAGLE3 needs rows [aux | final] of width {width + hidden}, "
+                             f"got {rows.shape[1]}")
+        head = self.target_head.to(keep.device)
+        final = rows[keep.to(rows.device)][:, width:].to(keep.device, head.dtype)
+        p = (F.linear(final, head).float() / self.temperature).softmax(dim=-1)
+        hot = self.model.to_target_ids(torch.arange(self.model.draft_vocab_size, device=self.model.d2t.device))
+        return p[:, hot.to(p.device)]
 
     def step_loss(self, pred: torch.Tensor, batch: "PreparedBatch", mask: torch.Tensor,
                   soft: SoftTargets) -> tuple[LossOutput, float]:
-        out = eagle3_loss(self.model, pred, batch.target, mask)
+        out = eagle3_loss(self.model, pred, batch.target, mask, soft.probs, self.temperature or 1.0,
+                          self.loss_config.tv_weight)
         return out, _agreement(out.pred_top1, soft.top1)
 
 
-def objective_for(model: DraftModel, loss: EagleLossConfig = EagleLossConfig(),
-                  full_vocab_metrics: bool = True) -> EagleObjective | Eagle3Objective:
-    """The objective that trains ``model``: EAGLE3 for an :class:`Eagle3Drafter`, else EAGLE-1/2."""
+def objective_for(model: DraftModel, loss: EagleLossConfig = EagleLossConfig(), full_vocab_metrics: bool = True,
+                  target_head: torch.Tensor | None = None) -> EagleObjective | Eagle3Objective:
+    """The objective that trains ``model``: EAGLE3 for an :class:`Eagle3Drafter`, else EAGLE-1/2
+    (``target_head``: the target's LM head, needed by EAGLE3's sampled objective only)."""
     if isinstance(model, Eagle3Drafter):
-        return Eagle3Objective(model)
+        return Eagle3Objective(model, loss, target_head)
     return EagleObjective(model, loss, full_vocab_metrics)

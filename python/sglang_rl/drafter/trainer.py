@@ -93,6 +93,7 @@ class DrafterTrainer:
         autocast_dtype: torch.dtype | None = None,
         feature_noise: float = 0.0,
         seed: int = 0,
+        target_head: torch.Tensor | None = None,
     ) -> None:
         """``full_vocab_metrics``: with a reduced soft vocabulary, still take the prediction's
         argmax over the full vocabulary for ``top1_agreement`` (one extra no-grad head product).
@@ -102,7 +103,9 @@ class DrafterTrainer:
         ``autocast_dtype``: mixed precision (weights and optimizer stay in their own dtype).
         ``feature_noise``: while training, add U(-a, a) times each row's mean absolute value to the
         target rows the drafter reads (not to the rows it predicts): EAGLE's guard against its own
-        feature errors, made independent of the target's row scale; ``seed`` seeds it."""
+        feature errors, made independent of the target's row scale; ``seed`` seeds it.
+        ``target_head``: the target's LM head ``[V, H]``, for an EAGLE3 drafter under the sampled
+        objective (``loss.objective``; ``objectives.py``)."""
         if isinstance(unroll_steps, bool) or not isinstance(unroll_steps, int) or unroll_steps < 1:
             raise ValueError(f"unroll_steps must be a positive integer, got {unroll_steps!r}")
         if not 0 < unroll_decay <= 1:
@@ -120,7 +123,7 @@ class DrafterTrainer:
         self.window = window
         self.grad_clip = grad_clip
         self.full_vocab_metrics = full_vocab_metrics
-        self.objective = objective_for(model, loss, full_vocab_metrics)
+        self.objective = objective_for(model, loss, full_vocab_metrics, target_head)
         params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
         self.steps_done = 0
@@ -144,9 +147,13 @@ class DrafterTrainer:
         if pos is None:
             pos = torch.cat([torch.arange(int(b - a)) for a, b in zip(cu[:-1], cu[1:])])
         target, mask, soft = self.objective.targets(batch, ids, mask, cu)
+        # rows laid out [aux | final] (EAGLE3's sampled objective): the drafter reads the aux part
+        hidden = batch["hidden_states"].reshape(n, -1)
+        if self.model.config.is_eagle3 and hidden.shape[1] == self.model.feature_width + self.model.config.hidden_size:
+            hidden = hidden[:, : self.model.feature_width]
         return PreparedBatch(
             input_ids=ids,
-            hidden_states=batch["hidden_states"].reshape(n, -1).to(dev, dtype),
+            hidden_states=hidden.to(dev, dtype),
             target=target,
             loss_mask=mask,
             position_ids=pos.reshape(-1).to(dev, torch.long),
@@ -213,7 +220,8 @@ class DrafterTrainer:
                     before_step: Optional[Callable[[], None]] = None) -> list[dict[str, float]]:
         """Run ``steps`` optimizer steps, cycling through the batches of ``data`` in order.
 
-        Returns one metrics dict per step: ``step``, ``loss``, ``value_loss``, ``prob_loss``,
+        Returns one metrics dict per step: ``step``, ``loss``, ``value_loss``, ``prob_loss``, ``tv_loss``
+        (the sampled objective's TV term, 0.0 under the greedy one),
         ``top1_agreement``, ``grad_norm``, ``num_pairs``, ``num_loss_pairs``, ``seconds``, ``lr`` and
         ``skipped`` (1.0 when the batch had no loss-masked pair and no update was made). With
         ``unroll_steps > 1``: ``loss`` is the weighted sum over the steps, the loss parts and
@@ -250,6 +258,7 @@ class DrafterTrainer:
                     "loss": float(out.loss.detach()),
                     "value_loss": out.value_loss,
                     "prob_loss": out.prob_loss,
+                    "tv_loss": out.tv_loss,
                     "top1_agreement": agreement,
                     "grad_norm": grad_norm,
                     "num_pairs": float(batch.num_pairs),
@@ -267,7 +276,7 @@ class DrafterTrainer:
         """Loss parts and ``top1_agreement`` over ``data``, weighted by loss-masked pairs; with
         ``unroll_steps > 1`` also ``top1_agreement_stepJ`` for draft steps 2..K."""
         self.model.eval()
-        totals = {"loss": 0.0, "value_loss": 0.0, "prob_loss": 0.0, "top1_agreement": 0.0}
+        totals = {"loss": 0.0, "value_loss": 0.0, "prob_loss": 0.0, "tv_loss": 0.0, "top1_agreement": 0.0}
         totals.update({f"top1_agreement_step{j}": 0.0 for j in range(2, self.unroll_steps + 1)})
         count = 0.0
         for batch in self.as_batches(data):
@@ -276,7 +285,7 @@ class DrafterTrainer:
                 continue
             n = float(batch.num_loss_pairs)
             for key, value in (("loss", float(out.loss)), ("value_loss", out.value_loss),
-                               ("prob_loss", out.prob_loss), ("top1_agreement", agreement),
+                               ("prob_loss", out.prob_loss), ("tv_loss", out.tv_loss), ("top1_agreement", agreement),
                                *((f"top1_agreement_step{j + 1}", a) for j, a in enumerate(per_step) if j)):
                 totals[key] += value * n
             count += n
