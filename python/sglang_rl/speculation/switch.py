@@ -1,0 +1,104 @@
+"""Per-step decision of the speculation switch: draft or decode plainly.
+
+Drafting is on for a decode step when the server's rolling acceptance (tokens per verify step,
+over the last `window` drafting steps) reaches the break-even of the step's batch size. While
+off, a probe of `probe_steps` drafting steps every `probe_interval` off steps re-measures the
+acceptance from scratch, so a drafter that got better (co-training) is switched back on. A batch
+size where drafting never pays (above the table's last drafting entry) is off and never probed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+from sglang_rl.speculation.table import BreakEvenTable
+
+
+@dataclass(frozen=True)
+class SwitchConfig:
+    window: int = 32
+    """drafting (verify) steps in the rolling acceptance"""
+    probe_interval: int = 256
+    """off steps between two probes"""
+    probe_steps: int = 8
+    """drafting steps of a probe"""
+    hysteresis: float = 0.05
+    """tokens per step below the break-even before drafting that is on goes off"""
+
+    def __post_init__(self) -> None:
+        if self.window < 1 or self.probe_interval < 1 or self.probe_steps < 1 or self.hysteresis < 0:
+            raise ValueError(f"bad speculation switch config: {self}")
+
+
+class SpeculationSwitch:
+    """The switch of one server (one scheduler): `decide` once per decode step, `record` each
+    drafting step's accepted lengths (bonus token included) once they are on the host."""
+
+    def __init__(self, table: BreakEvenTable, config: SwitchConfig = SwitchConfig()) -> None:
+        self.table = table
+        self.config = config
+        self.on = False
+        self.steps_on = 0
+        self.steps_off = 0
+        self.flips = 0
+        self.probes = 0
+        self._probe_left = 0
+        self._off_run = 0
+        self._window: deque[tuple[int, int]] = deque(maxlen=config.window)
+        self.verify_steps = 0
+
+    def acceptance(self) -> Optional[float]:
+        """Rolling tokens per verify step (per request), None before any drafting step."""
+        requests = sum(n for _, n in self._window)
+        return sum(t for t, _ in self._window) / requests if requests else None
+
+    def record(self, accept_lens: Iterable[int]) -> None:
+        """One drafting step's accepted lengths, one per request (each >= 1: the bonus token)."""
+        lens = list(accept_lens)
+        if lens:
+            self._window.append((sum(lens), len(lens)))
+            self.verify_steps += 1
+
+    def decide(self, batch_size: int) -> bool:
+        """Draft in this decode step of `batch_size` requests?"""
+        on = self._decide(batch_size)
+        if on != self.on:
+            self.flips += 1
+        self.on = on
+        if on:
+            self.steps_on += 1
+            self._off_run = 0
+        else:
+            self.steps_off += 1
+            self._off_run += 1
+        return on
+
+    def _decide(self, batch_size: int) -> bool:
+        even = self.table.break_even(batch_size)
+        if even is None:
+            return False
+        if self._probe_left > 0:
+            self._probe_left -= 1
+            return True
+        accepted = self.acceptance()
+        if accepted is None or (not self.on and self._off_run >= self.config.probe_interval):
+            return self._start_probe()
+        return accepted >= (even - self.config.hysteresis if self.on else even)
+
+    def _start_probe(self) -> bool:
+        self._window.clear()  # the probe measures the drafter as it is now
+        self.probes += 1
+        self._probe_left = self.config.probe_steps - 1
+        return True
+
+    def stats(self) -> dict:
+        """State for /get_server_info and the metrics."""
+        accepted = self.acceptance()
+        return {"on": self.on, "steps_on": self.steps_on, "steps_off": self.steps_off, "flips": self.flips,
+                "probes": self.probes, "verify_steps": self.verify_steps,
+                "acceptance": None if accepted is None else round(accepted, 4),
+                "table": self.table.to_dict()["break_even_tokens_per_step"],
+                "config": {"window": self.config.window, "probe_interval": self.config.probe_interval,
+                           "probe_steps": self.config.probe_steps, "hysteresis": self.config.hysteresis}}
