@@ -78,7 +78,9 @@ class QuietHTTPServer(ThreadingHTTPServer):
 class FakeVerifier:
     """A /generate endpoint that answers verification requests like an sglang-rl verifier, with
     failures on demand: `fail_next` answers 503 that many times, `delay` sleeps before answering,
-    `api_key` demands that bearer token."""
+    `api_key` demands that bearer token. `before_answer(body)`, when set, runs in the request's
+    thread before the answer (a concurrency test's barrier); `peak` is the most requests that were
+    in flight at once."""
 
     def __init__(self) -> None:
         self.requests: list[dict] = []
@@ -87,6 +89,8 @@ class FakeVerifier:
         self.always_fail = False
         self.delay = 0.0
         self.api_key: str | None = None
+        self.before_answer: Any = None
+        self.in_flight = self.peak = 0
         self.lock = threading.Lock()
         owner = self
 
@@ -95,12 +99,32 @@ class FakeVerifier:
                 pass
 
             def do_POST(self) -> None:
+                with owner.lock:
+                    owner.in_flight += 1
+                    owner.peak = max(owner.peak, owner.in_flight)
+                self.counted = True
+                try:
+                    self.answer()
+                finally:
+                    self.uncount()
+
+            def uncount(self) -> None:
+                """Out of flight before the answer goes (the client may send its next request then)."""
+                if getattr(self, "counted", False):
+                    self.counted = False
+                    with owner.lock:
+                        owner.in_flight -= 1
+
+            def answer(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 with owner.lock:
                     owner.requests.append(body)
                     owner.headers.append(dict(self.headers))
                     fail = owner.always_fail or owner.fail_next > 0
                     owner.fail_next -= owner.fail_next > 0
+                if owner.before_answer is not None:
+                    if owner.before_answer(body) is False:
+                        return self.reply(503, {"error": "refused by the test"})
                 if owner.delay:
                     time.sleep(owner.delay)
                 if owner.api_key and self.headers.get("Authorization") != f"Bearer {owner.api_key}":
@@ -122,6 +146,7 @@ class FakeVerifier:
                 self.reply(200, answers if batch else answers[0])
 
             def reply(self, status: int, doc: Any) -> None:
+                self.uncount()
                 data = json.dumps(doc).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
