@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Optional
+from typing import Literal, Optional
 
 from sglang.srt.arg_groups.arg_utils import A
 from sglang.srt.server_args import ServerArgs
@@ -129,6 +129,14 @@ class RLServerArgs(ServerArgs):
         int, "sglang-rl: hold back each round's N newest rollouts from its training and swap the trained "
         "drafter in only if it agrees with the target on them at least as well as the served one (0: swap every round)."
     ] = 0
+    drafter_cotrain_objective: A[
+        Literal["greedy", "sampled"], "sglang-rl: what co-training optimises: greedy (regression plus soft "
+        "cross-entropy) or sampled (that plus the TV loss 1 - sum min(p_T, q_T) at --drafter-cotrain-temperature: "
+        "acceptance under speculative sampling; EAGLE-1/2 drafters)."
+    ] = "greedy"
+    drafter_cotrain_temperature: A[
+        float, "sglang-rl: sampling temperature the sampled co-training objective trains for (RL's rollout temperature)."
+    ] = 1.0
     drafter_cotrain_trainer: A[
         Optional[str], "sglang-rl: HOST:PORT of a shared `sglang-rl drafter trainer` to send rollouts to "
         "instead of training in this server (key: SGLANG_RL_COTRAIN_AUTHKEY)."
@@ -239,6 +247,9 @@ class RLServerArgs(ServerArgs):
             raise ValueError("--drafter-cotrain with EAGLE3 needs a draft with its own LM head "
                              "(draft_vocab_size set, tie_word_embeddings false), as `sglang-rl drafter "
                              "init --arch eagle3` writes")
+        if self.drafter_cotrain_objective == "sampled":  # p_T needs the final rows; EAGLE3's are the aux ones
+            raise ValueError("--drafter-cotrain-objective sampled with EAGLE3: the rows an EAGLE3 server captures "
+                             "are the target's aux rows, which do not give its sampling distribution; use greedy")
 
     def _check_cotrain(self) -> None:
         """Refuse a co-training setup that cannot work, with the reason, before anything starts."""

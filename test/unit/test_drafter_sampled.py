@@ -111,3 +111,24 @@ def test_eagle3_sampled_objective_reads_the_final_rows_and_lowers_the_tv(tmp_pat
     assert before["tv_loss"] == pytest.approx(1 - oracle["sampled"], abs=1e-5)
     trainer.train_steps(batch, 15)
     assert trainer.evaluate(batch)["tv_loss"] < before["tv_loss"] - 0.01
+
+
+@pytest.mark.parametrize("unroll", [1, 2])
+def test_cotrain_round_trains_the_sampled_objective(tmp_path: Path, unroll: int) -> None:
+    """A co-training round under `objective="sampled"` reports its TV term, and the same round
+    under the greedy objective reports none: the option reaches the trainer, unrolled or not."""
+    from sglang_rl.drafter import init_drafter, save_drafter
+    from sglang_rl.drafter.cotrain import CotrainConfig, CotrainLoop
+    from test_drafter_cotrain_loop import sample
+    from test_drafter_checkpoint import write_target
+
+    target = write_target(tmp_path / "target")
+    save_drafter(init_drafter(target, seed=0), tmp_path / "draft")
+    tv = {}
+    for objective in ("greedy", "sampled"):
+        loop = CotrainLoop(CotrainConfig(str(tmp_path / "draft"), str(target), samples_per_round=2, steps=2,
+                                         window=24, objective=objective, temperature=0.7, unroll_steps=unroll))
+        for i in range(2):
+            loop.add(sample(seed=i))
+        tv[objective] = loop.train_round()[1]["tv_loss"]
+    assert tv["greedy"] == 0.0 and 0.0 < tv["sampled"] < 1.0

@@ -14,7 +14,10 @@ rounds from the outbox and loads them through the draft-only weight update
 Acceptance per round is counted here from what sglang already measures per request:
 committed tokens over `spec_verify_ct` of the requests that finished while the round's weights
 served. Requests that opted out (held-out evaluation traffic) are counted separately, so a
-caller can measure acceptance on prompts the drafter never trained on.
+caller can measure acceptance on prompts the drafter never trained on. Each count also keeps
+sglang's per-request histogram of accepted drafts per verify step (per-position acceptance: the
+share of verify steps that accepted at least k drafts) and is split by the request's sampling
+temperature ("greedy", "0.7", "1"), so a caller reads held-out acceptance at T = 0.7.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from sglang_rl.adapters.cotrain_rows import CotrainRows
 from sglang_rl.adapters.request_state import kcbs_beam_of, kcbs_search_of, state_of
 from sglang_rl.adapters.cotrain_config import config_from_args
 from sglang_rl.adapters.cotrain_idle import idle_event, note_idle, weights_released
+from sglang_rl.drafter.acceptance import at_least_rates, merge_histograms
 from sglang_rl.drafter.cotrain import inbox_size, start_cotrain_process
 from sglang_rl.drafter.messages import Error, Held, Ready, Round, Sample, Stop, TargetHead, from_wire, to_wire
 from sglang_rl.drafter.trainer_client import RemoteTrainer
@@ -64,14 +68,46 @@ def _checksum(embed: torch.Tensor, head: torch.Tensor) -> tuple[float, ...]:
 class _Acceptance:
     tokens: int = 0
     verify_steps: int = 0
+    histogram: list = dataclasses.field(default_factory=list)  # verify steps by accepted drafts
 
-    def add(self, tokens: int, steps: int) -> None:
+    def add(self, tokens: int, steps: int, histogram: Any = ()) -> None:
         self.tokens += tokens
         self.verify_steps += steps
+        self.histogram = merge_histograms([self.histogram, histogram])
 
     @property
     def length(self) -> Optional[float]:
         return self.tokens / self.verify_steps if self.verify_steps else None
+
+    def summary(self) -> dict:
+        return {"acceptance_length": self.length, "tokens": self.tokens, "verify_steps": self.verify_steps,
+                "histogram": self.histogram, "position_acceptance": at_least_rates(self.histogram)}
+
+
+class _Counts:
+    """One round's acceptance: all requests, and per sampling-temperature bucket."""
+
+    def __init__(self) -> None:
+        self.all = _Acceptance()
+        self.by_temperature: dict[str, _Acceptance] = {}
+
+    def add(self, req: Any, tokens: int, steps: int) -> None:
+        histogram = list(getattr(req, "spec_correct_drafts_histogram", None) or ())
+        self.all.add(tokens, steps, histogram)
+        bucket = temperature_bucket(getattr(req, "sampling_params", None))
+        if bucket is not None:
+            self.by_temperature.setdefault(bucket, _Acceptance()).add(tokens, steps, histogram)
+
+
+def temperature_bucket(params: Any) -> Optional[str]:
+    """"greedy" (sglang normalises temperature 0 to top_k 1), else the temperature ("0.7", "1");
+    None when the request carries no sampling parameters."""
+    temperature = getattr(params, "temperature", None)
+    if temperature is None:
+        return None
+    if getattr(params, "top_k", None) == 1 or temperature <= 0:
+        return "greedy"
+    return f"{round(float(temperature), 2):g}"
 
 
 class CotrainRuntime:
@@ -108,8 +144,8 @@ class CotrainRuntime:
         self.errors: list[str] = []
         self.rounds: list[dict] = []
         self.swap_checks: list[dict] = []  # every round the trainer checked, loaded or held
-        self.acceptance = [_Acceptance()]  # index r: requests served by round r's weights
-        self.held_out = [_Acceptance()]
+        self.acceptance = [_Counts()]  # index r: requests served by round r's weights
+        self.held_out = [_Counts()]
         self.saved: Optional[dict] = None  # the last POST /save_draft_weights (adapters/drafter_save.py)
         self.metrics = CotrainMetrics.create(server_args, dp_rank) if self.sends_rows else CotrainMetrics({})
 
@@ -142,7 +178,7 @@ class CotrainRuntime:
         self.served_since_update = True
         steps = int(getattr(req, "spec_verify_ct", 0) or 0)
         tokens = len(req.output_ids_through_stop)
-        (self.held_out if rows is None else self.acceptance)[-1].add(tokens, steps)
+        (self.held_out if rows is None else self.acceptance)[-1].add(req, tokens, steps)
         if rows is None or rows.done:
             return
         rows.close(req, self.policy_version)
@@ -255,8 +291,8 @@ class CotrainRuntime:
             return
         self.rounds.append({**metrics, "applied_seconds": time.perf_counter() - start, "message": message,
                             "forward_ct": getattr(scheduler, "forward_ct", None)})
-        self.acceptance.append(_Acceptance())
-        self.held_out.append(_Acceptance())
+        self.acceptance.append(_Counts())
+        self.held_out.append(_Counts())
 
     def stats(self) -> dict:
         """What GET /drafter_cotrain_stats returns (one list entry per round; index 0 is the
@@ -281,12 +317,19 @@ class CotrainRuntime:
             "swap_checks": self.swap_checks,
             **({"round_gap_wait_s": [r.get("gap_wait_s", 0.0) for r in self.rounds]} if self.idle is not None else {}),
             "round_policy_version": [r["policy_version"] for r in self.rounds],
-            "acceptance_length": [a.length for a in self.acceptance],
-            "acceptance_tokens": [a.tokens for a in self.acceptance],
-            "acceptance_verify_steps": [a.verify_steps for a in self.acceptance],
-            "held_out_acceptance_length": [a.length for a in self.held_out],
-            "held_out_tokens": [a.tokens for a in self.held_out],
-            "held_out_verify_steps": [a.verify_steps for a in self.held_out],
+            "acceptance_length": [a.all.length for a in self.acceptance],
+            "acceptance_tokens": [a.all.tokens for a in self.acceptance],
+            "acceptance_verify_steps": [a.all.verify_steps for a in self.acceptance],
+            "position_acceptance": [at_least_rates(a.all.histogram) for a in self.acceptance],
+            "acceptance_by_temperature": [{k: v.summary() for k, v in a.by_temperature.items()}
+                                          for a in self.acceptance],
+            "held_out_acceptance_length": [a.all.length for a in self.held_out],
+            "held_out_tokens": [a.all.tokens for a in self.held_out],
+            "held_out_verify_steps": [a.all.verify_steps for a in self.held_out],
+            "held_out_position_acceptance": [at_least_rates(a.all.histogram) for a in self.held_out],
+            "held_out_by_temperature": [{k: v.summary() for k, v in a.by_temperature.items()}
+                                        for a in self.held_out],
+            "tv_loss": [r.get("tv_loss") for r in self.rounds],
             "buffer_samples": self.rounds[-1]["buffer_samples"] if self.rounds else 0,
             "buffer_bytes": self.rounds[-1]["buffer_bytes"] if self.rounds else 0,
             "trainer_peak_rss_bytes": self.rounds[-1].get("trainer_peak_rss_bytes") if self.rounds else None,

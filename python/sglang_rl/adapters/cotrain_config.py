@@ -10,7 +10,7 @@ from sglang_rl.drafter.cotrain import CotrainConfig
 # CotrainConfig fields set by the server flag of the same name, `--drafter-cotrain-<field>`
 FLAG_FIELDS = ("buffer_bytes", "samples_per_round", "steps", "lr", "window", "samples_per_step", "soft_topk",
                "threads", "unroll_steps", "feature_noise", "replay_samples", "lr_schedule", "train_dtype", "train_in_gaps",
-               "gap_max_wait_s", "gap_busy_share", "swap_check_samples")
+               "gap_max_wait_s", "gap_busy_share", "swap_check_samples", "objective", "temperature")
 
 
 def config_from_args(server_args: Any) -> CotrainConfig:

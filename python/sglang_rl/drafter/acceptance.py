@@ -4,14 +4,15 @@ sglang 0.5.17 returns ``meta_info["spec_correct_drafts_histogram"]`` for every s
 request: entry ``k`` counts the verify steps that accepted exactly ``k`` draft tokens (greedy
 chain drafting accepts a prefix, so a step that accepted ``k`` accepted positions ``1..k``).
 The accept rate at draft position ``j`` is the share of the steps that reached position ``j``
-(accepted ``>= j - 1``) that also accepted it (``>= j``).
+(accepted ``>= j - 1``) that also accepted it (``>= j``). :func:`at_least_rates` is the
+unconditional share: of all verify steps, those that accepted at least ``k`` drafts.
 """
 
 from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-__all__ = ["merge_histograms", "position_accept_rates", "tokens_per_step"]
+__all__ = ["at_least_rates", "merge_histograms", "position_accept_rates", "tokens_per_step"]
 
 
 def merge_histograms(histograms: Iterable[Sequence[int] | None]) -> list[int]:
@@ -41,3 +42,12 @@ def tokens_per_step(histogram: Sequence[int]) -> float | None:
     """Mean tokens per verify step, the accepted drafts plus the target's own token."""
     steps = sum(histogram)
     return 1 + sum(k * c for k, c in enumerate(histogram)) / steps if steps else None
+
+
+def at_least_rates(histogram: Sequence[int]) -> list[float]:
+    """For draft positions ``k = 1..len(histogram) - 1``: the share of verify steps that accepted
+    at least ``k`` drafts (empty without steps)."""
+    steps = sum(histogram)
+    if any(c < 0 for c in histogram):
+        raise ValueError(f"histogram counts must be >= 0, got {list(histogram)}")
+    return [sum(histogram[k:]) / steps for k in range(1, len(histogram))] if steps else []

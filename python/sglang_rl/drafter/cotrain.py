@@ -31,6 +31,7 @@ from sglang_rl.drafter.data import sample_from_rows
 from sglang_rl.drafter.gaps import IdleGate
 from sglang_rl.drafter.loss import EagleLossConfig
 from sglang_rl.drafter.messages import Error, Held, Ready, RolloutSample, Round, Sample, Stop, TargetHead, from_wire, to_wire
+from sglang_rl.drafter.sampled import check_objective
 from sglang_rl.drafter.schedule import LrSchedule
 from sglang_rl.drafter.swap_check import SwapCheck
 from sglang_rl.drafter.trainer import DrafterTrainer
@@ -66,6 +67,8 @@ class CotrainConfig:
     gap_max_wait_s: float = 10.0
     gap_busy_share: float = 1.0
     swap_check_samples: int = 0
+    objective: str = "greedy"
+    temperature: float = 1.0
 
     def check(self) -> None:
         """Raise ValueError naming the first bad value."""
@@ -102,6 +105,7 @@ class CotrainConfig:
             raise ValueError("drafter co-training: swap_check_samples must be an integer in "
                              f"[0, samples_per_round={self.samples_per_round}), got {self.swap_check_samples!r}")
         try:
+            check_objective(self.objective, self.temperature)
             LrSchedule.parse(self.lr_schedule)
         except ValueError as exc:
             raise ValueError(f"drafter co-training: {exc}") from None
@@ -121,7 +125,8 @@ class CotrainLoop:
         per_round = config.steps
         self.trainer = DrafterTrainer(
             model.to(device), lr=config.lr, window=config.window,
-            loss=EagleLossConfig(soft_topk=config.soft_topk), unroll_steps=config.unroll_steps,
+            loss=EagleLossConfig(soft_topk=config.soft_topk, objective=config.objective,
+                                 temperature=config.temperature), unroll_steps=config.unroll_steps,
             lr_factor=None if schedule.constant else (lambda step: schedule.factor(step / per_round)),
             autocast_dtype=dtype_from_name(config.train_dtype), feature_noise=config.feature_noise, seed=config.seed)
         self.generator = torch.Generator().manual_seed(config.seed)
@@ -216,6 +221,7 @@ class CotrainLoop:
             "round": self.rounds,
             "loss": sum(h["loss"] for h in last) / len(last),
             "top1_agreement": sum(h["top1_agreement"] for h in last) / len(last),
+            "tv_loss": sum(h["tv_loss"] for h in last) / len(last),
             "first_loss": history[0]["loss"],
             **{key: sum(h[key] for h in last) / len(last) for key in last[0] if key.startswith("top1_agreement_step")},
             "lr": history[-1]["lr"],
