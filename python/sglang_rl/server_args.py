@@ -142,6 +142,27 @@ class RLServerArgs(ServerArgs):
         "instead of training in this server (key: SGLANG_RL_COTRAIN_AUTHKEY)."
     ] = None
 
+    speculative_switch: A[
+        bool,
+        "sglang-rl: the speculation switch: an EAGLE / EAGLE3 server drafts only in decode steps whose batch "
+        "size and rolling acceptance (tokens per verify step) reach the break-even of --speculative-switch-table; "
+        "other steps run the target's plain decode (no draft forward, no draft extend).",
+    ] = False
+    speculative_switch_table: A[
+        Optional[str],
+        "sglang-rl: break-even table of the speculation switch (JSON written by benchmark/bench_spec_curve.py "
+        "--switch-table; default: the shipped H100/H200 table).",
+    ] = None
+    speculative_switch_window: A[
+        int, "sglang-rl: drafting steps in the speculation switch's rolling acceptance."
+    ] = 32
+    speculative_switch_probe_interval: A[
+        int, "sglang-rl: off decode steps between two probes of the drafter's acceptance by the speculation switch."
+    ] = 256
+    speculative_switch_probe_steps: A[
+        int, "sglang-rl: drafting steps of one probe of the speculation switch."
+    ] = 8
+
     def __post_init__(self) -> None:
         if self.toploc_verification_topk < 1 or self.toploc_verification_topk > 4096:
             raise ValueError("--toploc-verification-topk must be between 1 and 4096")
@@ -158,6 +179,8 @@ class RLServerArgs(ServerArgs):
         if self.specforge_export_dir is not None and str(self.speculative_algorithm or "").upper() != "EAGLE3":
             raise ValueError("--specforge-export-dir needs --speculative-algorithm EAGLE3: SpecForge's offline "
                              "format holds the auxiliary layers an EAGLE3 target captures for its draft")
+        if self.speculative_switch:
+            self._check_speculative_switch()
         if self.drafter_cotrain:
             self._check_cotrain()
             if self.enable_memory_saver:
@@ -166,6 +189,18 @@ class RLServerArgs(ServerArgs):
                 self.enable_draft_weights_cpu_backup = True
         super().__post_init__()
         self._check_last_layer_rows_without_graphs()
+
+    def _check_speculative_switch(self) -> None:
+        """The switch drives sglang's EAGLE worker and replaces sglang's own adaptive speculation."""
+        from sglang_rl.speculation import BreakEvenTable, SwitchConfig
+
+        if str(self.speculative_algorithm or "").upper() not in ("EAGLE", "EAGLE3"):
+            raise ValueError("--speculative-switch needs --speculative-algorithm EAGLE or EAGLE3")
+        if self.speculative_adaptive:
+            raise ValueError("--speculative-switch replaces --speculative-adaptive: give one of them")
+        SwitchConfig(window=self.speculative_switch_window, probe_interval=self.speculative_switch_probe_interval,
+                     probe_steps=self.speculative_switch_probe_steps)
+        BreakEvenTable.load(self.speculative_switch_table)  # a bad table fails at start-up, not at the first step
 
     def _check_last_layer_rows_without_graphs(self) -> None:
         """An EAGLE3 target keeps its last-layer rows beside the auxiliary ones its draft reads

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from sglang_rl.speculation import DEFAULT_TABLE_PATH, BreakEvenTable, SpeculationSwitch, SwitchConfig
+from sglang_rl.speculation import DEFAULT_TABLE, BreakEvenTable, SpeculationSwitch, SwitchConfig
 
 TABLE = BreakEvenTable({1: 1.5, 8: 1.8, 32: 2.6, 64: None})
 
@@ -25,7 +25,7 @@ def test_table_file_round_trip_and_the_shipped_table(tmp_path) -> None:
     again = BreakEvenTable.load(path)
     assert again.entries == TABLE.entries
     shipped = BreakEvenTable.load()
-    assert json.loads(DEFAULT_TABLE_PATH.read_text())["break_even_tokens_per_step"]["64"] is None
+    assert json.loads(json.dumps(DEFAULT_TABLE)) == DEFAULT_TABLE  # what --speculative-switch-table files hold
     assert shipped.break_even(1) == 1.51 and shipped.break_even(64) is None and shipped.max_drafting_batch == 32
 
 
@@ -56,6 +56,17 @@ def test_low_acceptance_turns_off_and_probes_every_interval() -> None:
     switch = SpeculationSwitch(TABLE, SwitchConfig(window=4, probe_interval=5, probe_steps=2))
     assert run(switch, 8, 16, 1.2) == [True, True] + [False] * 5 + [True, True] + [False] * 5 + [True, True]
     assert switch.probes == 3 and switch.steps_on == 6 and switch.steps_off == 10
+
+
+def test_a_probe_lasts_until_its_steps_are_measured() -> None:
+    """Under the overlap scheduler a step's accept lengths arrive after the next step is decided;
+    a catch-up step is measured not at all: the probe drafts until it has its measurements."""
+    switch = SpeculationSwitch(TABLE, SwitchConfig(window=4, probe_interval=3, probe_steps=2))
+    assert [switch.decide(8) for _ in range(4)] == [True] * 4  # nothing measured yet
+    switch.record([1, 1])
+    assert switch.decide(8)
+    switch.record([1, 2])
+    assert not switch.decide(8) and switch.acceptance() == 1.25 and not switch.stats()["probing"]
 
 
 def test_a_better_drafter_is_switched_back_on_by_a_probe() -> None:

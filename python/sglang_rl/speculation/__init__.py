@@ -6,6 +6,6 @@ size and the server's rolling acceptance, and probes drafting again every so oft
 """
 
 from sglang_rl.speculation.switch import SpeculationSwitch, SwitchConfig
-from sglang_rl.speculation.table import DEFAULT_TABLE_PATH, BreakEvenTable
+from sglang_rl.speculation.table import DEFAULT_TABLE, BreakEvenTable
 
-__all__ = ["BreakEvenTable", "DEFAULT_TABLE_PATH", "SpeculationSwitch", "SwitchConfig"]
+__all__ = ["BreakEvenTable", "DEFAULT_TABLE", "SpeculationSwitch", "SwitchConfig"]

@@ -2,7 +2,8 @@
 
 Drafting is on for a decode step when the server's rolling acceptance (tokens per verify step,
 over the last `window` drafting steps) reaches the break-even of the step's batch size. While
-off, a probe of `probe_steps` drafting steps every `probe_interval` off steps re-measures the
+off, a probe every `probe_interval` off steps drafts until `probe_steps` drafting steps have been
+measured (their results arrive a step late under an overlapping scheduler), re-measuring the
 acceptance from scratch, so a drafter that got better (co-training) is switched back on. A batch
 size where drafting never pays (above the table's last drafting entry) is off and never probed.
 """
@@ -23,7 +24,7 @@ class SwitchConfig:
     probe_interval: int = 256
     """off steps between two probes"""
     probe_steps: int = 8
-    """drafting steps of a probe"""
+    """measured drafting steps of a probe"""
     hysteresis: float = 0.05
     """tokens per step below the break-even before drafting that is on goes off"""
 
@@ -44,7 +45,7 @@ class SpeculationSwitch:
         self.steps_off = 0
         self.flips = 0
         self.probes = 0
-        self._probe_left = 0
+        self._probe_until: Optional[int] = None  # verify_steps at which the running probe ends
         self._off_run = 0
         self._window: deque[tuple[int, int]] = deque(maxlen=config.window)
         self.verify_steps = 0
@@ -79,9 +80,10 @@ class SpeculationSwitch:
         even = self.table.break_even(batch_size)
         if even is None:
             return False
-        if self._probe_left > 0:
-            self._probe_left -= 1
-            return True
+        if self._probe_until is not None:
+            if self.verify_steps < self._probe_until:
+                return True
+            self._probe_until = None
         accepted = self.acceptance()
         if accepted is None or (not self.on and self._off_run >= self.config.probe_interval):
             return self._start_probe()
@@ -90,13 +92,13 @@ class SpeculationSwitch:
     def _start_probe(self) -> bool:
         self._window.clear()  # the probe measures the drafter as it is now
         self.probes += 1
-        self._probe_left = self.config.probe_steps - 1
+        self._probe_until = self.verify_steps + self.config.probe_steps
         return True
 
     def stats(self) -> dict:
         """State for /get_server_info and the metrics."""
         accepted = self.acceptance()
-        return {"on": self.on, "steps_on": self.steps_on, "steps_off": self.steps_off, "flips": self.flips,
+        return {"on": self.on, "probing": self._probe_until is not None, "steps_on": self.steps_on, "steps_off": self.steps_off, "flips": self.flips,
                 "probes": self.probes, "verify_steps": self.verify_steps,
                 "acceptance": None if accepted is None else round(accepted, 4),
                 "table": self.table.to_dict()["break_even_tokens_per_step"],
