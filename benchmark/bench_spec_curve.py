@@ -12,11 +12,18 @@ Three processes, one after another, on one GPU:
 2. eagle: the target with the draft (3 steps, top-1, 4 draft tokens), at each acceptance;
 3. adaptive: the same with `--speculative-adaptive` and a config written from 1 and 2: at each
    batch-size slot drafting is on (3 steps) while the running acceptance is above the slot's
-   break-even (where EAGLE's line crosses plain), off (0 steps) below it.
+   break-even (where EAGLE's line crosses plain), off (0 steps) below it;
+4. switch: the same pair with sglang-rl's `--speculative-switch` (docs/speculation.md), with the
+   break-even table measured by 1 and 2 (`--switch-table PATH` writes it), or the shipped one
+   when this run has no eagle results.
 
     python benchmark/bench_spec_curve.py --tokenizer-dir TOK --work-dir /tmp/spec-curve
 
-prints one table (output tokens/s per cell, EAGLE and adaptive over plain) and the adaptive config.
+prints one table (output tokens/s per cell, EAGLE, adaptive and switch over plain) and the
+adaptive config. Switched against plain alone, with known draft noises (no calibration):
+
+    python benchmark/bench_spec_curve.py --tokenizer-dir TOK --modes plain,switch --accept 1.5 3.0 \
+        --noises '{"1.5": 0.375, "3.0": 0.09375}' --batch-sizes 1 8 32 64 128 256
 """
 
 from __future__ import annotations
@@ -97,6 +104,8 @@ def one_process(args: argparse.Namespace) -> dict:
         extra.update(EAGLE, speculative_draft_model_path=str(draft))
     if args.mode in ("adaptive", "off"):
         extra.update(speculative_adaptive=True, speculative_adaptive_config=args.adaptive_config)
+    if args.mode == "switch":
+        extra.update(speculative_switch=True, speculative_switch_table=args.switch_table_file)
     if args.skip_zero_step_draft_extend:
         os.environ["SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND"] = "1"
     t = time.perf_counter()
@@ -111,13 +120,38 @@ def one_process(args: argparse.Namespace) -> dict:
                     noises[str(wanted)] = calibrate(llm, args.hidden, wanted, args)[0]
                 set_noise(llm, args.hidden, noises[str(wanted)])
             for batch in args.batch_sizes:
+                before = switch_steps(llm) if args.mode == "switch" else None
                 cell = timed(llm, batch, args, args.timed_runs)
+                if before is not None:  # drafting and plain steps of this cell (warm-up run included)
+                    after = switch_steps(llm)
+                    cell.update({k: after[k] - before[k] for k in ("steps_on", "steps_off")})
                 result["cells"].append({"accept": wanted, "batch": batch, **cell})
                 print(f"# {args.mode} accept {wanted} batch {batch}: {cell}", flush=True)
         result["noises"] = noises
     finally:
         llm.shutdown()
     return result
+
+
+def switch_steps(llm) -> dict:
+    """The speculation switch's state (`/get_server_info`'s `speculation_switch`)."""
+    return llm.get_server_info()["internal_states"][0]["speculation_switch"]
+
+
+def switch_table(plain: dict[int, float], eagle: list[dict], batch_sizes: list[int]) -> dict:
+    """The speculation switch's table file: per timed batch size the break-even tokens per step,
+    null where EAGLE never pays (or would need more tokens than a step can commit)."""
+    steps = EAGLE["speculative_num_steps"]
+    entries = {}
+    for batch in batch_sizes:
+        even = break_even(plain, eagle, batch)
+        entries[str(batch)] = None if even is None or even > steps + 1 else round(even, 3)
+    return {"description": f"EAGLE ({steps} steps, top-1) against plain decoding, bench_spec_curve.py on "
+                           f"{gpu_name()}", "break_even_tokens_per_step": entries}
+
+
+def gpu_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "the CPU"
 
 
 def break_even(plain: dict[int, float], eagle: list[dict], batch: int) -> float | None:
@@ -211,8 +245,13 @@ def main() -> None:
     p.add_argument("--out", help="write every process's result here (JSON)")
     p.add_argument("--plot", metavar="PNG", help="only draw the curve of --reuse's results into PNG")
     p.add_argument("--mode", help=argparse.SUPPRESS)
-    p.add_argument("--noises", help=argparse.SUPPRESS)
+    p.add_argument("--noises", help="JSON {acceptance: draft fc noise} from an earlier run's eagle results: "
+                                     "skips the calibration of those acceptances")
     p.add_argument("--adaptive-config", help=argparse.SUPPRESS)
+    p.add_argument("--switch-table", metavar="PATH",
+                   help="write the speculation switch's break-even table measured by the plain and eagle modes here "
+                        "(give it to a server with --speculative-switch-table PATH)")
+    p.add_argument("--switch-table-file", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.mode:
         print("RESULT " + json.dumps(one_process(args)), flush=True)
@@ -229,6 +268,23 @@ def main() -> None:
     results.update({r["mode"]: r for r in run_in_subprocesses(__file__, argv, "--mode", first)})
     plain = {c["batch"]: c["tok_s"] for c in results["plain"]["cells"]}
     rows = [{"accept_set": "plain", "batch": b, "plain_tok_s": s} for b, s in plain.items()]
+    if "switch" in modes:
+        table_argv = []
+        if "eagle" in results:
+            table = switch_table(plain, results["eagle"]["cells"], args.batch_sizes)
+            path = Path(args.switch_table or Path(args.work_dir) / "switch_table.json")
+            path.write_text(json.dumps(table, indent=1) + "\n")
+            print(f"switch table ({path}): {json.dumps(table['break_even_tokens_per_step'])}")
+            table_argv = ["--switch-table-file", str(path)]
+        noise_argv = [] if args.noises or "eagle" not in results else \
+            ["--noises", json.dumps(results["eagle"]["noises"])]
+        results.update({r["mode"]: r for r in run_in_subprocesses(__file__, argv + table_argv + noise_argv, "--mode",
+                                                                   ["switch"])})
+        if "eagle" not in results:
+            rows = [{"accept_set": c["accept"], "batch": c["batch"], "plain_tok_s": plain[c["batch"]],
+                     "switch_tok_s": c["tok_s"], "switch_vs_plain": round(c["tok_s"] / plain[c["batch"]], 3),
+                     "switch_tokens_per_step": c["tokens_per_step"], "switch_steps_on": c.get("steps_on"),
+                     "switch_steps_off": c.get("steps_off")} for c in results["switch"]["cells"]]
     if "eagle" in results:
         eagle = results["eagle"]["cells"]
         config = adaptive_config(plain, eagle, args.batch_sizes)
@@ -241,7 +297,7 @@ def main() -> None:
                 extra = argv + noises + ["--adaptive-config", str(path)]
                 results.update({r["mode"]: r for r in run_in_subprocesses(__file__, extra, "--mode", [mode])})
         by_mode = {m: {(c["accept"], c["batch"]): c for c in results.get(m, {}).get("cells", [])}
-                   for m in ("off", "adaptive")}
+                   for m in ("off", "adaptive", "switch")}
         rows = []
         for c in eagle:
             row = {"accept_set": c["accept"], "batch": c["batch"], "tokens_per_step": c["tokens_per_step"],
@@ -259,8 +315,10 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(results, indent=1))
     print(f"\nEAGLE (3 steps, top-1) vs plain decoding, h{args.hidden} x {args.layers} layers, greedy, "
           f"{args.prompt_len} prompt + {args.output_len} output tokens, median of {args.timed_runs} timed runs")
-    print_table(rows, ["accept_set", "batch", "tokens_per_step", "plain_tok_s", "eagle_tok_s", "eagle_vs_plain",
-                       "off_tok_s", "off_vs_plain", "adaptive_tok_s", "adaptive_vs_plain", "adaptive_tokens_per_step"])
+    print_table(rows, [c for c in ["accept_set", "batch", "tokens_per_step", "plain_tok_s", "eagle_tok_s", "eagle_vs_plain",
+                       "off_tok_s", "off_vs_plain", "adaptive_tok_s", "adaptive_vs_plain", "adaptive_tokens_per_step",
+                       "switch_tok_s", "switch_vs_plain", "switch_tokens_per_step", "switch_steps_on",
+                       "switch_steps_off"] if any(c in r for r in rows)])
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ def hook_table() -> list[Hook]:
     from sglang_rl.adapters import api, hidden_states_api, kcbs, last_layer_rows, openai, scheduler, speculative
     from sglang_rl.adapters import cotrain, cotrain_api, cotrain_parallel, drafter_weights, drafter_weights_api
     from sglang_rl.adapters import drafter_save, drafter_save_api
-    from sglang_rl.adapters import seeded_sampling, specforge_export, toploc, toploc_metrics
+    from sglang_rl.adapters import seeded_sampling, specforge_export, speculative_switch, toploc, toploc_metrics
     from sglang_rl.server_args import RLServerArgs
 
     REPLACE, AROUND, BEFORE, AFTER = HookType.REPLACE, HookType.AROUND, HookType.BEFORE, HookType.AFTER
@@ -165,6 +165,21 @@ def hook_table() -> list[Hook]:
         Hook(f"{SCHED}.output_streamer._GenerationStreamAccumulator.accept", AROUND,
              scheduler.output_accept_around,
              "finalise verification reports and send queued results with the request's output"),
+        # --- speculation switch ------------------------------------------------------------
+        Hook(f"{SRT}.managers.scheduler.Scheduler.__init__", AFTER, speculative_switch.scheduler_init_after,
+             "--speculative-switch: the switch (and the target's plain-decode graph) on the EAGLE worker"),
+        Hook(f"{SRT}.speculative.eagle_worker_v2.EAGLEWorkerV2.forward_batch_generation", AROUND,
+             speculative_switch.forward_around,
+             "a decode step the switch turns off runs the target's plain decode and keeps its rows; the "
+             "first drafting step after it catches the draft up with draft extends over those rows"),
+        Hook(f"{SRT}.model_executor.forward_batch_info.get_server_return_hidden_states_mode", AFTER,
+             speculative_switch.server_capture_mode_after,
+             "with the switch every batch (and the plain-decode graph) captures LAST rows, which off steps keep"),
+        Hook(f"{SCHED}.batch_result_processor.SchedulerBatchResultProcessor._resolve_spec_v2_tokens", AFTER,
+             speculative_switch.resolve_tokens_after,
+             "each drafting step's accept lengths, once on the host, feed the switch's rolling acceptance"),
+        Hook(f"{SRT}.managers.scheduler.Scheduler.get_internal_state", AFTER, speculative_switch.internal_state_after,
+             "the switch's state in /get_server_info"),
         # --- draft-only weight updates ----------------------------------------------------
         Hook(f"{SRT}.managers.scheduler.Scheduler.init_request_dispatcher", AFTER,
              drafter_weights.request_dispatcher_after,

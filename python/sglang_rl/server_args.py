@@ -162,6 +162,10 @@ class RLServerArgs(ServerArgs):
     speculative_switch_probe_steps: A[
         int, "sglang-rl: drafting steps of one probe of the speculation switch."
     ] = 8
+    speculative_switch_catch_up_tokens: A[
+        int, "sglang-rl: plain decode steps whose target rows the speculation switch keeps on the device, to catch "
+        "the drafter up on them when drafting resumes (0: only the resuming step's)."
+    ] = 32
 
     def __post_init__(self) -> None:
         if self.toploc_verification_topk < 1 or self.toploc_verification_topk > 4096:
@@ -198,6 +202,8 @@ class RLServerArgs(ServerArgs):
             raise ValueError("--speculative-switch needs --speculative-algorithm EAGLE or EAGLE3")
         if self.speculative_adaptive:
             raise ValueError("--speculative-switch replaces --speculative-adaptive: give one of them")
+        if self.speculative_switch_catch_up_tokens < 0:
+            raise ValueError("--speculative-switch-catch-up-tokens must be >= 0")
         SwitchConfig(window=self.speculative_switch_window, probe_interval=self.speculative_switch_probe_interval,
                      probe_steps=self.speculative_switch_probe_steps)
         BreakEvenTable.load(self.speculative_switch_table)  # a bad table fails at start-up, not at the first step

@@ -1,11 +1,12 @@
-"""Speculation only where it pays: sglang's `--speculative-adaptive` with co-training and TOPLOC.
+"""The speculation switch (`--speculative-switch`) under concurrent requests, with every feature on.
 
-sglang's adaptive EAGLE picks the number of draft steps per batch-size slot from the recent
-acceptance, including 0 (no drafting: the target decodes alone, the draft's KV stays warm). Here
-the slot for every batch size may choose 0 or 3 steps, and the random-init drafter accepts nothing,
-so the server switches drafting off, probes it again, and switches it off again. Meanwhile the
-co-training rows keep flowing and train the drafter, the target decides every token (greedy ids as
-a plain server's) and the fingerprints verify on the plain server.
+The break-even table asks 2.5 tokens per verify step at every batch size and the random-init
+drafter accepts far less, so each probe (one measured drafting step every 6 plain steps) finds drafting
+does not pay and the switch turns it off again: it flips every few steps. Meanwhile greedy
+answers equal a plain server's (the target decides every token, drafting or not), fingerprints
+verify on the `toploc` server (no speculation), hidden-state rows equal a transformers prefill
+of prompt + response, the co-training rows keep reaching the trainer and train the drafter, and
+the switch's state is in /get_server_info and /metrics.
 """
 
 from __future__ import annotations
@@ -14,56 +15,81 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import requests
+
 from e2e_servers import EAGER, Prepared, Server, Spec, server_fixture
+from hidden_states_fixtures import HFReference, check_response, generate, hs_fields
 from test_drafter_cotrain import chat, gsm8k, init_drafter, stats, wait_rounds
 from toploc_helpers import assert_fingerprints_verify
 
 PROMPTS = range(4)
 ROUND = 2
-# every batch size may draft 3 steps or none; the acceptance decides, looked at every 2 batches
-ADAPTIVE_CONFIG = {"1": {"candidate_steps": [0, 3], "warmup_batches": 2, "update_interval": 2}}
+TABLE = {"description": "drafting would need 2.5 tokens per step", "break_even_tokens_per_step": {"1": 2.5, "16": 2.5}}
 
 
-def _drafter_and_config(model_path: str, workdir: Path) -> Prepared:
+def _drafter_and_table(model_path: str, workdir: Path) -> Prepared:
     draft = init_drafter(model_path, workdir / "d0")
-    config = workdir / "adaptive.json"
-    config.write_text(json.dumps(ADAPTIVE_CONFIG))
-    return Prepared(args=("--speculative-draft-model-path", str(draft), "--speculative-adaptive-config", str(config)))
+    table = workdir / "switch_table.json"
+    table.write_text(json.dumps(TABLE))
+    return Prepared(args=("--speculative-draft-model-path", str(draft), "--speculative-switch-table", str(table)))
 
 
-ADAPTIVE = Spec("cotrain-adaptive", (
-    "--log-level", "info",  # sglang logs each switch of the draft steps at info
+SWITCH = Spec("speculation-switch", (
     "--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
-    "--speculative-num-draft-tokens", "4", "--speculative-adaptive", "--toploc-verification",
+    "--speculative-num-draft-tokens", "4", "--speculative-switch", "--speculative-switch-probe-interval", "6",
+    "--speculative-switch-probe-steps", "1", "--speculative-switch-window", "2", "--toploc-verification",
+    "--enable-return-hidden-states", "--enable-metrics",
     "--drafter-cotrain", "--drafter-cotrain-samples-per-round", str(ROUND), "--drafter-cotrain-steps", "2",
     "--drafter-cotrain-threads", "1",
-), env=EAGER, prepare=_drafter_and_config)
-adaptive_server = server_fixture(ADAPTIVE, scope="module",
-                                 doc="Adaptive EAGLE (0 or 3 draft steps) with co-training and TOPLOC.")
+), env=EAGER, prepare=_drafter_and_table)
+switch_server = server_fixture(SWITCH, scope="module",
+                               doc="EAGLE with the speculation switch flipping every few steps, co-training and TOPLOC.")
 
 
-def test_drafting_switches_off_and_on_while_rows_keep_training_the_drafter(adaptive_server: Server,
-                                                                           toploc_server: Server) -> None:
+def switch_state(url: str) -> dict:
+    resp = requests.get(url + "/get_server_info", timeout=60)
+    assert resp.status_code == 200, resp.text[:2000]
+    return resp.json()["internal_states"][0]["speculation_switch"]
+
+
+def test_switch_flips_while_answers_fingerprints_and_training_stay_right(switch_server: Server,
+                                                                         toploc_server: Server) -> None:
     prompts = gsm8k()
-    # two waves of one round each: samples that reach the trainer together make one round
+    before = switch_state(switch_server.url)
     answers = []
-    for wave in (PROMPTS[:ROUND], PROMPTS[ROUND:]):
-        before = stats(adaptive_server.url)["rounds"]
+    for wave in (PROMPTS[:ROUND], PROMPTS[ROUND:]):  # samples that reach the trainer together make one round
+        rounds = stats(switch_server.url)["rounds"]
         with ThreadPoolExecutor(ROUND) as pool:
-            answers += pool.map(lambda i: chat(adaptive_server.url, prompts[i]), wave)
-        # the rows of every request reached the trainer, drafting on or off, and trained it
-        wait_rounds(adaptive_server.url, before + 1)
-    log = adaptive_server.log_path.read_text(errors="replace")
-    assert "Switch adaptive runtime state: steps 3 -> 0" in log, log[-3000:]
-    assert "Switch adaptive runtime state: steps 0 -> 3" in log, log[-3000:]
+            answers += pool.map(lambda i: chat(switch_server.url, prompts[i]), wave)
+        wait_rounds(switch_server.url, rounds + 1)  # every request's rows reached the trainer and trained it
 
-    trained = stats(adaptive_server.url)
+    state = switch_state(switch_server.url)
+    steps = {k: state[k] - before[k] for k in ("steps_on", "steps_off", "flips", "probes", "catch_ups")}
+    assert steps["steps_off"] > steps["steps_on"] > 0 and steps["flips"] >= 4 and steps["catch_ups"] >= 2, state
+    assert state["acceptance"] is not None and state["acceptance"] < 2.5, state
+    assert state["table"] == TABLE["break_even_tokens_per_step"], state
+
+    trained = stats(switch_server.url)
     assert trained["trainer_alive"] and not trained["errors"], trained
     assert trained["trainer_received"] >= len(PROMPTS) and all(v > 0 for v in trained["loss"]), trained
 
-    # the target decides every token, and the fingerprints verify without speculative decoding
     messages = [a["choices"][0]["message"] for a in answers]
     with ThreadPoolExecutor(4) as pool:
         plain = list(pool.map(lambda i: chat(toploc_server.url, prompts[i]), PROMPTS))
     assert [m["output_ids"] for m in messages] == [p["choices"][0]["message"]["output_ids"] for p in plain]
     assert_fingerprints_verify(toploc_server.url, messages)
+
+    metrics = requests.get(switch_server.url + "/metrics", timeout=60).text
+    assert "sglang_rl:speculation_switch_steps_off" in metrics, metrics[-2000:]
+
+
+def test_rows_equal_a_prefill_replay_across_flips(switch_server: Server, hf: HFReference) -> None:
+    before = switch_state(switch_server.url)
+    prompts = ["Count: one, two, three,", "The capital of France is"]
+    fields = hs_fields(True, "list", "response")
+    with ThreadPoolExecutor(2) as pool:
+        outs = list(pool.map(lambda p: generate(switch_server.url, p, 24, fields=fields), prompts))
+    state = switch_state(switch_server.url)
+    assert state["flips"] - before["flips"] >= 2, state  # both on and off steps made these rows
+    for prompt, out in zip(prompts, outs):
+        check_response(hf, out["meta_info"], mode=True, fmt="list", scope="response", what=prompt)

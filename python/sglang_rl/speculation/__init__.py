@@ -5,7 +5,8 @@ decoding starts to beat plain decoding; `SpeculationSwitch` decides per decode s
 size and the server's rolling acceptance, and probes drafting again every so often while off.
 """
 
+from sglang_rl.speculation.catch_up import OffRows, plan_chunks
 from sglang_rl.speculation.switch import SpeculationSwitch, SwitchConfig
 from sglang_rl.speculation.table import DEFAULT_TABLE, BreakEvenTable
 
-__all__ = ["BreakEvenTable", "DEFAULT_TABLE", "SpeculationSwitch", "SwitchConfig"]
+__all__ = ["BreakEvenTable", "DEFAULT_TABLE", "OffRows", "SpeculationSwitch", "SwitchConfig", "plan_chunks"]
