@@ -38,8 +38,6 @@ import json
 import math
 import os
 import signal
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -47,11 +45,9 @@ from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import EAGLE, engine_kwargs, print_table  # noqa: E402
+from rollout_server import Launched, check_server, cli_flags  # noqa: E402
 
 ARMS = ("plain", "eagle", "switch", "switch-cotrain")
-# the flag each arm needs (checked on a given server through /get_server_info, refused at start otherwise)
-ARM_FLAGS = {"plain": (), "eagle": (), "switch": ("speculative_switch",),
-             "switch-cotrain": ("speculative_switch", "drafter_cotrain")}
 GSM8K_PROMPTS = 1319
 COTRAIN_DEFAULT = ("--drafter-cotrain --drafter-cotrain-samples-per-round 256 --drafter-cotrain-steps 50 "
                    "--drafter-cotrain-lr 1e-4 --drafter-cotrain-train-in-gaps")
@@ -82,24 +78,6 @@ def step_prompts(model_path: str, n: int, pool: int, count: int) -> list[tuple[i
 # --- servers -------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def cli_flags(kwargs: dict) -> list[str]:
-    """Engine keywords as launch_server flags (True: the bare flag; False and None: left out)."""
-    flags: list[str] = []
-    for key, value in kwargs.items():
-        if value is None or value is False:
-            continue
-        flags.append("--" + key.replace("_", "-"))
-        if value is not True:
-            flags.append(str(value))
-    return flags
-
-
 def draft_algorithm(drafter: str) -> str:
     arch = json.loads((Path(drafter) / "config.json").read_text())["architectures"][0]
     return "EAGLE3" if arch.endswith("Eagle3") else "EAGLE"
@@ -120,73 +98,6 @@ def arm_flags(arm: str, args: argparse.Namespace) -> list[str]:
     if arm == "switch-cotrain":
         flags += args.cotrain_flags.split()
     return flags + args.server_flags.split()
-
-
-class Launched:
-    """A `python -m sglang.launch_server` process of one arm, its own process group."""
-
-    def __init__(self, arm: str, flags: list[str], log_dir: Path, cpu: bool, timeout: float = 900.0) -> None:
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        log_dir.mkdir(parents=True, exist_ok=True)
-        self.log = log_dir / f"rollout-{arm}-{port}.log"
-        env = {**os.environ, **({"SGLANG_USE_CPU_ENGINE": "1", "TORCHDYNAMO_DISABLE": "1"} if cpu else {})}
-        cmd = [sys.executable, "-m", "sglang.launch_server", *flags, "--host", "127.0.0.1", "--port", str(port),
-               "--nccl-port", str(free_port())]
-        with open(self.log, "w") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        t = time.perf_counter()
-        try:
-            self._wait(arm, flags, timeout)
-        except BaseException:
-            self.stop()
-            raise
-        self.startup_s = round(time.perf_counter() - t, 1)
-
-    def _wait(self, arm: str, flags: list[str], timeout: float) -> None:
-        import requests
-
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                text = self.log.read_text(errors="replace")
-                unknown = [line for line in text.splitlines() if "unrecognized arguments" in line]
-                if unknown:
-                    raise SystemExit(f"arm {arm}: the server does not know {unknown[-1].split(':', 2)[-1].strip()} "
-                                     f"(see {self.log})")
-                last = (text.strip().splitlines() or ["(empty log)"])[-1]
-                raise SystemExit(f"arm {arm}: the server exited with {self.proc.returncode}: {last} (see {self.log})")
-            try:
-                if requests.get(self.url + "/health_generate", timeout=60).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(1.0)
-        raise SystemExit(f"arm {arm}: the server was not healthy after {timeout:.0f} s (see {self.log})")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-
-
-def check_server(arm: str, url: str) -> dict:
-    """The server's info; a one-line exit when it does not run what the arm measures."""
-    import requests
-
-    info = requests.get(url + "/get_server_info", timeout=60).json()
-    speculative = bool(info.get("speculative_algorithm"))
-    if speculative != (arm != "plain"):
-        raise SystemExit(f"arm {arm}: the server at {url} runs speculative_algorithm="
-                         f"{info.get('speculative_algorithm')}")
-    missing = [flag for flag in ARM_FLAGS[arm] if not info.get(flag)]
-    if missing:
-        raise SystemExit(f"arm {arm}: the server at {url} does not run --{missing[0].replace('_', '-')}")
-    return info
 
 
 # --- one RL step ---------------------------------------------------------------------------------
@@ -246,19 +157,29 @@ def cotrain_stats(url: str) -> Optional[dict]:
     return r.json() if r.status_code == 200 else None
 
 
-def wait_for_rounds(url: str, info: dict, gap_s: float) -> Optional[dict]:
-    """Between two steps: until the rounds of the finished rollouts are trained, or gap_s passed
-    (asking for the statistics also lets the scheduler load a finished round)."""
+def posted(stats: dict) -> int:
+    """Finished rollouts the server handed to co-training (trained on, too short, or skipped)."""
+    return stats["samples"] + stats.get("samples_dropped", 0) + stats.get("samples_skipped_busy", 0)
+
+
+def wait_for_rounds(url: str, info: dict, responses: int, gap_s: float) -> dict:
+    """Between two steps: until the server handed the `responses` rollouts so far to co-training
+    and trained their rounds, or gap_s passed (asking for the statistics also lets the scheduler
+    load a finished round)."""
     per_round = int(info.get("drafter_cotrain_samples_per_round") or 1)
     deadline = time.time() + gap_s
-    stats = cotrain_stats(url)
-    while stats is not None and time.time() < deadline:
-        trained = stats["rounds"] + stats.get("rounds_held", 0)
-        if trained >= stats["samples"] // per_round or stats["errors"]:
+    stats = cotrain_stats(url) or {}
+    while stats and time.time() < deadline and not stats["errors"]:
+        if posted(stats) >= responses and stats["rounds"] + stats.get("rounds_held", 0) >= stats["samples"] // per_round:
             break
         time.sleep(0.5)
-        stats = cotrain_stats(url)
+        stats = cotrain_stats(url) or {}
     return stats
+
+
+def cotrain_row(stats: dict) -> dict:
+    counters = ("rounds", "rounds_held", "samples", "samples_dropped", "samples_skipped_busy")
+    return {**{k: stats.get(k, 0) for k in counters}, "acceptance_length": stats.get("acceptance_length")}
 
 
 def run_arm(arm: str, url: str, info: dict, args: argparse.Namespace, deadline: float) -> list[dict]:
@@ -266,10 +187,12 @@ def run_arm(arm: str, url: str, info: dict, args: argparse.Namespace, deadline: 
     import requests
 
     steps: list[dict] = []
+    responses = 0
     sampling_base = {"max_new_tokens": args.max_new_tokens}
-    # warm-up, untimed: a short request through the whole path
-    requests.post(url + "/generate", json={"input_ids": args.step_ids[0][1][0],
-                                           "sampling_params": {"max_new_tokens": 4}}, timeout=args.timeout)
+    # warm-up, untimed: a short request through the whole path (kept out of co-training)
+    opt_out = {"drafter_cotrain": False} if arm.endswith("cotrain") else {}
+    requests.post(url + "/generate", json={"input_ids": args.step_ids[0][1][0], "sampling_params": {"max_new_tokens": 4},
+                                           **opt_out}, timeout=args.timeout).raise_for_status()
     for ti, temp in enumerate(args.temperatures):
         for k in range(args.steps):
             if time.time() > deadline:
@@ -283,13 +206,12 @@ def run_arm(arm: str, url: str, info: dict, args: argparse.Namespace, deadline: 
             row = {"arm": arm, "temp": temp, "step": k + 1, "first_prompt": first, **step_metrics(start, results)}
             if temp == 0:
                 row["texts"] = [r["text"] for r in sorted(results, key=lambda r: r["prompt"])]
-            if arm.endswith("cotrain"):
-                stats = cotrain_stats(url) or {}
-                row["cotrain"] = {k2: stats.get(k2) for k2 in ("rounds", "rounds_held", "samples", "acceptance_length")}
+            responses += len(results)
+            if arm.endswith("cotrain"):  # the state at the step's end, and after the untimed gap
+                row["cotrain"] = {"at_end": cotrain_row(cotrain_stats(url) or {})}
                 if k + 1 < args.steps or ti + 1 < len(args.temperatures):
                     t = time.perf_counter()
-                    after = wait_for_rounds(url, info, args.gap_s) or {}
-                    row["cotrain"]["rounds_after_gap"] = after.get("rounds")
+                    row["cotrain"]["after_gap"] = cotrain_row(wait_for_rounds(url, info, responses, args.gap_s))
                     row["cotrain"]["gap_s"] = round(time.perf_counter() - t, 1)
             print(f"# {label}: {row['wall_s']} s, tail {row['tail_s']} s, {row['tok_s']} tok/s, accept {row['accept']}"
                   + (f", co-training {row['cotrain']}" if "cotrain" in row else ""), flush=True)
