@@ -182,11 +182,11 @@ def cotrain_row(stats: dict) -> dict:
     return {**{k: stats.get(k, 0) for k in counters}, "acceptance_length": stats.get("acceptance_length")}
 
 
-def run_arm(arm: str, url: str, info: dict, args: argparse.Namespace, deadline: float) -> list[dict]:
-    """The arm's steps at every temperature; each step's metrics (and co-training state)."""
+def run_arm(arm: str, url: str, info: dict, args: argparse.Namespace, deadline: float, steps: list[dict]) -> None:
+    """The arm's steps at every temperature: each step's metrics (and co-training state) appended
+    to `steps` as it ends."""
     import requests
 
-    steps: list[dict] = []
     responses = 0
     sampling_base = {"max_new_tokens": args.max_new_tokens}
     # warm-up, untimed: a short request through the whole path (kept out of co-training)
@@ -197,7 +197,7 @@ def run_arm(arm: str, url: str, info: dict, args: argparse.Namespace, deadline: 
         for k in range(args.steps):
             if time.time() > deadline:
                 print(f"# {arm}: --budget-s reached, temperature {temp} step {k + 1} not run", flush=True)
-                return steps
+                return
             first, prompts = args.step_ids[ti * args.steps + k]
             requests.post(url + "/flush_cache", timeout=60)
             label = f"{arm} T={temp} step {k + 1}/{args.steps}"
@@ -216,7 +216,6 @@ def run_arm(arm: str, url: str, info: dict, args: argparse.Namespace, deadline: 
             print(f"# {label}: {row['wall_s']} s, tail {row['tail_s']} s, {row['tok_s']} tok/s, accept {row['accept']}"
                   + (f", co-training {row['cotrain']}" if "cotrain" in row else ""), flush=True)
             steps.append(row)
-    return steps
 
 
 # --- report --------------------------------------------------------------------------------------
@@ -322,16 +321,15 @@ def main() -> None:
             print(f"# starting {arm}", flush=True)
             launched = Launched(arm, arm_flags(arm, args), Path(args.log_dir), args.cpu)
             url = launched.url
+        report["arms"][arm] = {"server": url if launched is None else "started",
+                               "startup_s": launched.startup_s if launched else None, "steps": []}
         try:
-            info = infos.get(arm) or check_server(arm, url)
-            steps = run_arm(arm, url, info, args, deadline)
+            run_arm(arm, url, infos.get(arm) or check_server(arm, url), args, deadline, report["arms"][arm]["steps"])
         finally:
             if launched is not None:
                 launched.stop()
-        report["arms"][arm] = {"server": url if launched is None else "started",
-                               "startup_s": launched.startup_s if launched else None, "steps": steps}
-        if args.out:  # after every arm: a run cut short keeps what it measured
-            Path(args.out).write_text(json.dumps(report, indent=1))
+            if args.out:  # after every arm, and when stopped: a run cut short keeps the steps it measured
+                Path(args.out).write_text(json.dumps(report, indent=1))
     print_report(report)
     if args.out:
         print(f"wrote {args.out}")
