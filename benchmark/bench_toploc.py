@@ -13,6 +13,11 @@ with the default model, small shapes such as `--verify-cost-shapes 8x64x64`):
     python benchmark/bench_toploc.py --model-path /tmp/m8b --dummy --modes on --replay-total 0 \
         --cuda-graph-max-bs 64 --shapes 8x128x128 --timed-runs 1 \
         --verify-cost-shapes 64x512x512 64x128x1024 16x256x4096 --verify-cost-runs 3
+A verifier under load (verify_load.py): one --toploc-verification server answers GSM8K prompts,
+then `sglang-rl-verify`'s client verifies them at each client concurrency and batch size, beside a
+plain prefill of the same sequences (the ceiling):
+    python benchmark/bench_toploc.py --model-path /data/smollm2-8b --verify-load 1 2 4 8 \
+        --verify-load-batch-sizes 1 8 32 --verify-load-rollouts 256 --verify-load-tokens 512
 
 Each mode runs in its own process (a fresh Engine), so the modes share nothing. Every shape is
 timed `--timed-runs` times after one untimed run; the table gives the median and the spread
@@ -54,6 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     EAGLE, engine_kwargs, model_parser, parse_with_model, print_table, random_prompts, run_in_subprocesses,
 )
+import verify_load  # noqa: E402
 
 def parse_shape(text: str) -> tuple[int, int, int | tuple[int, int]]:
     """'64x128x128' -> (requests, prompt tokens, output tokens); '64x128x64-512' gives the
@@ -366,7 +372,14 @@ def main() -> None:
     p.add_argument("--verify-cost-runs", type=int, default=1,
                    help="--verify-cost-shapes: timed (verify, prefill) rounds per shape (medians)")
     p.add_argument("--one-mode", help=argparse.SUPPRESS)
+    verify_load.add_arguments(p)
     args = p.parse_args() if "--eagle" in sys.argv else parse_with_model(p)
+    if args.verify_load:
+        error = verify_load.check_arguments(p, args)
+        if error:
+            p.error(error)
+        verify_load.run_verify_load(args)
+        return
     if args.paired:
         lines = run_paired(args)
         print(f"\nTOPLOC on vs off in one process, {args.timed_runs} adjacent (off, on) pairs per shape")
