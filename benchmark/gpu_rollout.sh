@@ -12,7 +12,8 @@
 # temperature 1.0, 128 per round, 200 steps of 16, lr 1e-3; greedy held-out acceptance on its last
 # 64 after every round); bench_rollout.py measures on the last 512 (--pool), which it never saw.
 #
-# Environment: WORK (folders, default /tmp/rollout), OUT (JSON results, default $WORK/results),
+# Environment: WORK (folders and results, default /tmp/rollout; results in $WORK/results, also copied to
+# $OUT when set, e.g. a device run's output folder),
 # PYTHON (default python), N prompts x G samples, MAX_NEW tokens, STEPS per temperature, TEMPS,
 # CALL_S (the time limit of one stage, default 470 s), SHAPE_FLAGS (the widened shape's flags).
 # CPU=1 tries every stage on the CPU at a tiny size (float32, a small widened shape, 2 x 2 x 16).
@@ -23,9 +24,11 @@ ARMS=${2:-plain,eagle,switch,switch-cotrain}
 HERE=$(cd "$(dirname "$0")" && pwd)
 PYTHON=${PYTHON:-python}
 WORK=${WORK:-/tmp/rollout}
-OUT=${OUT:-$WORK/results}
+RESULTS=$WORK/results
 CALL_S=${CALL_S:-470}
-mkdir -p "$WORK" "$OUT"
+mkdir -p "$WORK" "$RESULTS"
+# every stage leaves the results so far in $OUT too
+trap '[ -n "${OUT:-}" ] && [ "$OUT" != "$RESULTS" ] && cp -r "$RESULTS/." "$OUT/"' EXIT
 
 if [ "${CPU:-0}" = 1 ]; then
   export SGLANG_USE_CPU_ENGINE=1
@@ -50,7 +53,7 @@ bench() {  # bench MODEL DRAFTER TAG ARMS
   # shellcheck disable=SC2086
   run "$PYTHON" "$HERE/bench_rollout.py" --model-path "$1" --drafter "$2" --arms "$4" --prompts "$N" --samples "$G" \
     --max-new-tokens "$MAX_NEW" --temperatures $TEMPS --steps "$STEPS" --budget-s $((CALL_S - 120)) --timeout 300 \
-    "${BENCH_FLAGS[@]}" --out "$OUT/rollout_$3_${4//,/_}.json"
+    "${BENCH_FLAGS[@]}" --out "$RESULTS/rollout_$3_${4//,/_}.json"
 }
 
 case "$STAGE" in
@@ -58,7 +61,7 @@ case "$STAGE" in
     # the prompts the measured steps never use: GSM8K 0..806 (bench_rollout.py --pool 512 takes the rest)
     head -n 807 "$($PYTHON -c 'from sglang_rl.datasets import gsm8k_path; print(gsm8k_path())')" > "$WORK/train.jsonl"
     run "$PYTHON" "$HERE/bench_cotrain.py" train --model-path "$SMALL" --gsm8k "$WORK/train.jsonl" "${TRAIN_FLAGS[@]}" \
-      --train-temperature 1.0 --drift-rounds 0 --budget-s $((CALL_S - 90)) --out "$OUT" --tag rollout_drafter \
+      --train-temperature 1.0 --drift-rounds 0 --budget-s $((CALL_S - 90)) --out "$RESULTS" --tag rollout_drafter \
       --draft-init "$WORK/drafter-init" --save-drafter "$WORK/drafter-small"
     ;;
   widen)
@@ -72,9 +75,9 @@ case "$STAGE" in
   small) bench "$SMALL" "$WORK/drafter-small" small "$ARMS" ;;
   report)
     for tag in small wide; do
-      files=$(ls "$OUT"/rollout_"$tag"_*.json 2>/dev/null || true)
+      files=$(ls "$RESULTS"/rollout_"$tag"_*.json 2>/dev/null || true)
       # shellcheck disable=SC2086
-      [ -n "$files" ] && "$PYTHON" "$HERE/bench_rollout.py" --report $files
+      if [ -n "$files" ]; then "$PYTHON" "$HERE/bench_rollout.py" --report $files; fi
     done
     ;;
   *) echo "unknown stage $STAGE" >&2; exit 2 ;;
