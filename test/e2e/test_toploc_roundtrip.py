@@ -1,6 +1,6 @@
 """Honest round trips: every response of the real server verifies on the same server.
 
-60 varied single-choice requests (prompt lengths 1..300 tokens, max_tokens in {1, 5, 33, 70},
+36 varied single-choice requests (prompt lengths 1..300 tokens, max_tokens in {1, 5, 33, 70},
 EOS and length stops, greedy and sampled, /generate, /v1/completions and /v1/chat/completions,
 streaming and not) plus n=2 requests, sent 16 at a time so generations and verifications share
 batches. Each response is verified in the exact-token form (via /generate or /v1/completions);
@@ -78,7 +78,8 @@ def _chat_messages(tokenizer, i: int, rng: random.Random) -> list[dict]:
 def build_cases(tokenizer) -> list[dict]:
     rng = random.Random(20261121)
     cases = []
-    for i in range(60):
+    token_cases = 0  # the non-chat cases take the prompt lengths in turn (7 is prime to their number)
+    for i in range(36):  # every endpoint x stream x max_tokens pairing at least once
         endpoint, stream = ENDPOINTS[i % 6]
         max_tokens = MAX_TOKENS[(i // 6) % 4]
         temperature = 0.8 if i % 5 == 4 else 0.0
@@ -89,17 +90,18 @@ def build_cases(tokenizer) -> list[dict]:
             if i % 4 == 0:  # short chat answers stop by EOS before the limit
                 case["max_tokens"] = 70
         else:
-            length = PROMPT_LENGTHS[(i * 7) % len(PROMPT_LENGTHS)]
+            length = PROMPT_LENGTHS[(token_cases * 7) % len(PROMPT_LENGTHS)]
+            token_cases += 1
             case["input_ids"] = _token_prompt(tokenizer, length, BASE_TEXTS[i % len(BASE_TEXTS)])
         cases.append(case)
     # n=2 (sampled) on every endpoint
-    cases.append({"id": 60, "endpoint": "chat", "stream": False, "max_tokens": 33, "temperature": 0.8, "n": 2,
+    cases.append({"id": 36, "endpoint": "chat", "stream": False, "max_tokens": 33, "temperature": 0.8, "n": 2,
                   "messages": [{"role": "user", "content": "Tell me a fun fact about space."}]})
-    cases.append({"id": 61, "endpoint": "chat", "stream": True, "max_tokens": 40, "temperature": 0.9, "n": 2,
+    cases.append({"id": 37, "endpoint": "chat", "stream": True, "max_tokens": 40, "temperature": 0.9, "n": 2,
                   "messages": [{"role": "user", "content": "Describe the sea."}]})
-    cases.append({"id": 62, "endpoint": "completions", "stream": True, "max_tokens": 40, "temperature": 0.8,
+    cases.append({"id": 38, "endpoint": "completions", "stream": True, "max_tokens": 40, "temperature": 0.8,
                   "n": 2, "input_ids": _token_prompt(tokenizer, 20, BASE_TEXTS[5])})
-    cases.append({"id": 63, "endpoint": "generate", "stream": False, "max_tokens": 36, "temperature": 0.9,
+    cases.append({"id": 39, "endpoint": "generate", "stream": False, "max_tokens": 36, "temperature": 0.9,
                   "n": 2, "input_ids": _token_prompt(tokenizer, 150, BASE_TEXTS[0])})
     return cases
 
@@ -156,7 +158,7 @@ def test_pass_rate_is_recorded(roundtrips) -> None:
            requests=len(roundtrips), samples=sum(len(rt["samples"]) for rt in roundtrips),
            by_form={k: f"{a}/{b}" for k, (a, b) in sorted(by_form.items())},
            failures=[_failure(r) for r in results if r["report"].get("verified") is not True][:10])
-    assert len(roundtrips) >= 50 and len(results) >= 90
+    assert len(roundtrips) >= 40 and len(results) >= 60
 
 
 def test_exact_token_form_round_trips_verify(roundtrips) -> None:
@@ -168,7 +170,7 @@ def test_exact_token_form_round_trips_verify(roundtrips) -> None:
 def test_chat_form_round_trips_verify(roundtrips, tokenizer) -> None:
     """Chat responses verified as messages + {"role": "assistant", "content": reply}."""
     results = _results(roundtrips, "chat")
-    assert len(results) >= 20
+    assert len(results) >= 14
     failures = []
     checked = 0
     for r in results:
@@ -193,7 +195,7 @@ def test_greedy_responses_are_greedy_consistent(roundtrips) -> None:
     """Exact-token verifications of temperature-0 responses: every response token is the argmax
     of the verifier's prefill (expect_greedy was set, so this is also part of `verified`)."""
     greedy = [r for r in _results(roundtrips, "tokens") if r["greedy"]]
-    assert len(greedy) >= 40
+    assert len(greedy) >= 28
     bad = []
     for r in greedy:
         rep, n = r["report"], len(r["sample"]["output_ids"])

@@ -15,7 +15,7 @@ from sglang_rl_client.bands import BandEvidence, band_of_report
 from toploc_helpers import pmap, post, record
 from sglang_rl.calibration.measure import gsm8k_prompts
 
-MAX_TOKENS = 128
+MAX_TOKENS = 80
 SEED = 1234
 HONEST = {"temperature": 0.7, "top_p": 0.9}
 
