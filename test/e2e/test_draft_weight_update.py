@@ -63,7 +63,7 @@ ENGINE_SCRIPT = textwrap.dedent('''
     from safetensors.torch import load_file
 
 
-    def main(model, start_dir, push_file, steps):
+    def main(model, start_dir, push_file, steps, save_dir):
         import sglang
 
         engine = sglang.Engine(
@@ -77,8 +77,15 @@ ENGINE_SCRIPT = textwrap.dedent('''
             result["tensor"] = engine.update_draft_weights_from_tensor(list(push.items()))
             result["bias"] = engine.get_draft_weights_by_name("fc.bias", truncate_size=100000)
             result["bad"] = engine.update_draft_weights_from_tensor([("model.fc.bias", push["fc.bias"])])
+            result["saved"] = engine.save_draft_weights(save_dir)  # the pushed draft, as served
+            try:
+                engine.save_draft_weights(save_dir)
+            except ValueError as exc:
+                result["refused"] = str(exc)
             result["disk"] = engine.update_draft_weights_from_disk(start_dir)
             result["bias_after_disk"] = engine.get_draft_weights_by_name("fc.bias", truncate_size=100000)
+            result["disk_save"] = engine.update_draft_weights_from_disk(save_dir)  # sglang's loader reads the save
+            result["bias_after_save"] = engine.get_draft_weights_by_name("fc.bias", truncate_size=100000)
         finally:
             print("RESULT " + json.dumps(result), flush=True)
             engine.shutdown()
@@ -260,8 +267,9 @@ def engine_job(model_path: str, drafts: Drafts, folders: dict) -> Iterator[dict]
     with open(log, "w") as out:
         proc = subprocess.Popen(
             [sys.executable, str(script), model_path, str(folders["start"]), str(root / "engine_push.safetensors"),
-             str(K)], env=env, cwd=str(root), stdout=out, stderr=subprocess.STDOUT)
-    yield {"proc": proc, "token": token, "log": log}
+             str(K), str(root / "engine_save")], env=env, cwd=str(root), stdout=out, stderr=subprocess.STDOUT)
+    yield {"proc": proc, "token": token, "log": log, "save_dir": root / "engine_save",
+           "push": root / "engine_push.safetensors"}
     if proc.poll() is None:
         proc.kill()
         proc.wait()
@@ -470,7 +478,9 @@ def test_flattened_bucket_update(eagle: Server, drafts: Drafts, ref: dict) -> No
 
 def test_engine_methods(engine_job: dict, drafts: Drafts, folders: dict) -> None:
     """Engine.update_draft_weights_from_tensor (sglang's own serialization of CPU tensors),
-    get_draft_weights_by_name, update_draft_weights_from_disk and a refusal, in an sgl.Engine."""
+    get_draft_weights_by_name, update_draft_weights_from_disk and a refusal, in an sgl.Engine; and
+    Engine.save_draft_weights: it writes the served (pushed) draft, refuses a folder that holds a
+    save, and sglang's own draft loader reads the save back."""
     engine_job["proc"].wait(timeout=TIMEOUT)
     out = engine_job["log"].read_text()
     lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
@@ -483,6 +493,13 @@ def test_engine_methods(engine_job: dict, drafts: Drafts, folders: dict) -> None
     assert not ok and "names the draft model does not have: model.fc.bias" in message, message
     assert result["disk"][0], result["disk"]
     assert torch.equal(torch.tensor(result["bias_after_disk"]), drafts.vector(folders["absent"]))
+    pushed = load_file(str(engine_job["push"]))
+    saved = load_file(str(engine_job["save_dir"] / "model.safetensors"))
+    assert result["saved"]["path"] == str(engine_job["save_dir"]) and result["saved"]["tensors"] == len(saved)
+    assert all(torch.equal(saved[n], pushed[n]) for n in pushed), sorted(pushed)
+    assert "holds a previous save" in result["refused"]
+    assert result["disk_save"][0], result["disk_save"]
+    assert torch.equal(torch.tensor(result["bias_after_save"]), drafts.vector(token))
 
 
 def test_server_without_a_draft_refuses(plain_server: Server, drafts: Drafts) -> None:

@@ -7,17 +7,14 @@ loader (`load_drafter`) reads the folder as the same drafter, and the server's o
 takes it back through its weight loader (`/update_draft_weights_from_disk`, which loads by the
 checkpoint names sglang's EAGLE loader reads at start). Bad requests get a 400 with the reason,
 nothing is left half-written, and the server keeps answering; a server without a draft refuses.
+`Engine.save_draft_weights` is checked by test_draft_weight_update's Engine (`test_engine_methods`).
 """
 
 from __future__ import annotations
 
 import base64
 import json
-import os
 import pickle
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -25,40 +22,12 @@ import requests
 import torch
 from safetensors.torch import load_file
 
-from e2e_servers import EAGER, POOL, Server, ServerHandle, e2e_env, server_fixture
+from e2e_servers import POOL, Server, ServerHandle, server_fixture
 from sglang_rl.drafter import init_drafter, load_drafter, sglang_weights
 from sglang_rl.drafter.saved_folder import METADATA_FILE, read_save_metadata
 from test_draft_weight_update import EAGLE as DRAFT_WEIGHTS
-from test_draft_weight_update import K
 
 TIMEOUT = 300
-
-ENGINE_SCRIPT = textwrap.dedent('''
-    import json
-    import sys
-
-
-    def main(engine_kwargs, out_dir):
-        import sglang
-
-        engine = sglang.Engine(**json.loads(engine_kwargs))
-        result = {}
-        try:
-            result["bias"] = engine.get_draft_weights_by_name("fc.bias", truncate_size=10**6)
-            result["saved"] = engine.save_draft_weights(out_dir)
-            try:
-                engine.save_draft_weights(out_dir)
-            except ValueError as exc:
-                result["refused"] = str(exc)
-        finally:
-            print("RESULT " + json.dumps(result), flush=True)
-            engine.shutdown()
-
-
-    if __name__ == "__main__":
-        main(*sys.argv[1:])
-''')
-
 
 # the server of test_draft_weight_update (same flags; the suite starts it once): its tests put its
 # weights back, and the start-up drafter's folder is the one a save is compared with
@@ -189,27 +158,3 @@ def test_server_without_a_draft_refuses(plain_server: Server, tmp_path: Path) ->
     assert_refused(save(plain_server.url, {"path": str(tmp_path / "d")}), "this server has no draft model")
     assert not (tmp_path / "d").exists()
     assert_serves(plain_server.url)
-
-
-def test_engine_starts_from_a_save_and_saves(saved_dirs: dict, pushed: dict, model_path: str, tmp_path: Path) -> None:
-    """sglang loads the saved folder as its EAGLE draft at start (an sgl.Engine in a subprocess,
-    the plugin patches sglang process-wide), and Engine.save_draft_weights writes it out again."""
-    if "http" not in saved_dirs:
-        pytest.skip("needs the folder test_save_writes_the_served_drafter saves")
-    script = tmp_path / "engine_script.py"
-    script.write_text(ENGINE_SCRIPT)
-    env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", **e2e_env(EAGER)}
-    engine_kwargs = {"model_path": model_path, "device": "cpu", "attention_backend": "torch_native",
-                     "dtype": "float32", "max_total_tokens": 4096, "log_level": "warning",
-                     "speculative_algorithm": "EAGLE", "speculative_draft_model_path": str(saved_dirs["http"]),
-                     "speculative_num_steps": K, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": K + 1}
-    run = subprocess.run([sys.executable, str(script), json.dumps(engine_kwargs), str(tmp_path / "out")], env=env,
-                         cwd=str(tmp_path), capture_output=True, text=True, timeout=TIMEOUT)
-    lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
-    assert lines, (run.stdout + run.stderr)[-3000:]
-    result = json.loads(lines[-1][len("RESULT "):])
-    assert torch.equal(torch.tensor(result["bias"]), pushed["fc.bias"])  # sglang's own loader read the save
-    assert result["saved"]["path"] == str(tmp_path / "out") and result["saved"]["tensors"] == len(pushed)
-    tensors = load_file(str(tmp_path / "out" / "model.safetensors"))
-    assert all(torch.equal(tensors[n], pushed[n]) for n in pushed)
-    assert "holds a previous save" in result["refused"]
