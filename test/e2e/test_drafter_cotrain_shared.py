@@ -1,18 +1,27 @@
 """Several servers, one drafter trainer: `sglang-rl drafter trainer` and two real CPU servers
 started with `--drafter-cotrain-trainer`. Rollouts split across the servers train one drafter,
-both servers load every round, and when the trainer dies both keep serving with the last draft."""
+both servers load every round, and when the trainer dies both keep serving with the last draft.
+
+The trainer is started by the first of the two servers' `prepare`s (the other finds it), so the
+suite's pool starts both servers ahead, while earlier tests run."""
 
 from __future__ import annotations
 
+import atexit
+import fcntl
+import json
+import os
+import signal
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Iterator
 
 import pytest
 
-from e2e_servers import EAGER, LOG_DIR, Server, start_server
+from e2e_servers import EAGER, LOG_DIR, POOL, Prepared, ServerHandle, Spec, server_fixture
 from test_drafter_cotrain import chat, draft_fc_rows, gsm8k, init_drafter, stats
 
 ROUND = 4
@@ -38,40 +47,67 @@ def _wait(predicate, what: str, timeout: float = 300):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-@pytest.fixture(scope="module")
-def shared(model_path: str, tmp_path_factory) -> Iterator[tuple]:
-    """A trainer process and two servers pointing at it."""
-    work = tmp_path_factory.mktemp("shared-trainer")
-    draft = init_drafter(model_path, work / "d0")
-    address = f"127.0.0.1:{_free_port()}"
-    LOG_DIR.mkdir(parents=True, exist_ok=True)
-    log = LOG_DIR / f"trainer-{address.split(':')[1]}.log"
-    with open(log, "w") as out:
-        trainer = subprocess.Popen(
-            [sys.executable, "-m", "sglang_rl.cli", "drafter", "trainer", "--listen", address,
-             "--model-path", model_path, "--drafter-path", str(draft), "--samples-per-round", str(ROUND),
-             "--steps", "3", "--lr", "1e-3", "--soft-topk", "64", "--threads", "1", "--serve-dtype", "float32"],
-            stdout=out, stderr=subprocess.STDOUT, text=True)
-    servers: list[Server] = []
+def _shared_trainer(model_path: str, workdir: Path) -> Prepared:
+    """The flags of a server of the shared trainer; the first call of the session (a prepare runs
+    in a child of the pytest process) starts the trainer, in a session of its own."""
+    home = LOG_DIR / f"shared-trainer-{os.getppid()}"
+    home.mkdir(parents=True, exist_ok=True)
+    with open(home / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        info = home / "trainer.json"
+        if not info.exists():
+            draft = init_drafter(model_path, home / "d0")
+            address = f"127.0.0.1:{_free_port()}"
+            log = home / "trainer.log"
+            with open(log, "w") as out:
+                trainer = subprocess.Popen(
+                    [sys.executable, "-m", "sglang_rl.cli", "drafter", "trainer", "--listen", address,
+                     "--model-path", model_path, "--drafter-path", str(draft), "--samples-per-round", str(ROUND),
+                     "--steps", "3", "--lr", "1e-3", "--soft-topk", "64", "--threads", "1",
+                     "--serve-dtype", "float32"],
+                    stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+            _wait(lambda: "trainer: listening" in log.read_text() or trainer.poll() is not None, "the trainer", 120)
+            assert trainer.poll() is None, log.read_text()
+            info.write_text(json.dumps({"pid": trainer.pid, "address": address, "draft": str(draft),
+                                        "log": str(log)}))
+        data = json.loads(info.read_text())
+    return Prepared(args=("--speculative-draft-model-path", data["draft"], "--drafter-cotrain-trainer",
+                          data["address"]), data=data)
+
+
+SHARED = [Spec(f"cotrain-shared-{i}", FLAGS, env=EAGER, prepare=_shared_trainer) for i in range(2)]
+shared_a = server_fixture(SHARED[0], scope="module", doc="EAGLE co-training with the shared trainer (first).")
+shared_b = server_fixture(SHARED[1], scope="module", doc="EAGLE co-training with the shared trainer (second).")
+
+
+def _alive(pid: int) -> bool:
     try:
-        _wait(lambda: "trainer: listening" in log.read_text() or trainer.poll() is not None, "the trainer", 120)
-        assert trainer.poll() is None, log.read_text()
-        args = (*FLAGS, "--speculative-draft-model-path", str(draft), "--drafter-cotrain-trainer", address)
-        with ThreadPoolExecutor(2) as pool:
-            futures = [pool.submit(start_server, model_path, *args, log_name=f"cotrain-shared-{i}", env=EAGER)
-                       for i in range(2)]
-            servers = [f.result() for f in futures]
-        yield trainer, servers, log
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
+
+
+def _kill(pid: int) -> None:
+    if _alive(pid):
+        os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def shared(shared_a: ServerHandle, shared_b: ServerHandle) -> Iterator[tuple]:
+    """The trainer's process id and log, and the two servers pointing at it."""
+    trainer = POOL.prepared_data(SHARED[0].key)
+    assert POOL.prepared_data(SHARED[1].key)["address"] == trainer["address"]
+    atexit.register(_kill, trainer["pid"])  # a run stopped early leaves no trainer behind
+    try:
+        yield trainer["pid"], (shared_a, shared_b), Path(trainer["log"])
     finally:
-        for server in servers:
-            server.stop()
-        if trainer.poll() is None:
-            trainer.kill()
-            trainer.wait()
+        _kill(trainer["pid"])
 
 
 def test_two_servers_share_one_trainer(shared: tuple) -> None:
     trainer, (a, b), log = shared
+    assert _alive(trainer), log.read_text()[-2000:]
     start = [stats(s.url) for s in (a, b)]
     assert all(s["trainer_alive"] and s["rounds"] == 0 for s in start), start
     before = draft_fc_rows(a.url)
@@ -94,8 +130,8 @@ def test_two_servers_share_one_trainer(shared: tuple) -> None:
     assert not sa["errors"] and not sb["errors"], (sa["errors"], sb["errors"])
     assert "round 1: loss" in log.read_text()
 
-    trainer.kill()
-    trainer.wait()
+    _kill(trainer)
+    _wait(lambda: not _alive(trainer), "the trainer to exit", 30)
     for server, s in ((a, sa), (b, sb)):
         dead = _wait(lambda: (lambda x: x if not x["trainer_alive"] else None)(stats(server.url)), "trainer_alive false", 60)
         assert any("connection lost" in e for e in dead["errors"]), dead["errors"]
