@@ -213,8 +213,10 @@ def run_arm(arm: str, url: str, info: dict, args: argparse.Namespace, deadline: 
                     t = time.perf_counter()
                     row["cotrain"]["after_gap"] = cotrain_row(wait_for_rounds(url, info, responses, args.gap_s))
                     row["cotrain"]["gap_s"] = round(time.perf_counter() - t, 1)
+            trained = (f", co-training rounds {row['cotrain']['at_end']['rounds']} at the end, "
+                       f"{row['cotrain'].get('after_gap', {}).get('rounds')} after the gap") if "cotrain" in row else ""
             print(f"# {label}: {row['wall_s']} s, tail {row['tail_s']} s, {row['tok_s']} tok/s, accept {row['accept']}"
-                  + (f", co-training {row['cotrain']}" if "cotrain" in row else ""), flush=True)
+                  + trained, flush=True)
             steps.append(row)
 
 
@@ -230,6 +232,8 @@ def table_rows(arms: dict) -> list[dict]:
             base = plain.get((r["temp"], r["step"]))
             row = {c: r.get(c) for c in COLUMNS}
             row["accept"] = "-" if r.get("accept") is None else r["accept"]
+            if "cotrain" in r:  # rounds trained by the step's end
+                row["rounds"] = r["cotrain"]["at_end"]["rounds"]
             row["speedup"] = round(base["wall_s"] / r["wall_s"], 3) if base else "-"
             row["tail_speedup"] = round(base["tail_s"] / r["tail_s"], 3) if base and r["tail_s"] else "-"
             if r["temp"] == 0 and base and "texts" in r:  # greedy: the target decides every token
@@ -243,7 +247,7 @@ def print_report(report: dict) -> list[dict]:
     print(f"\nRL-step rollouts: {c['prompts']} GSM8K prompts x {c['samples']} samples, up to {c['max_new_tokens']} "
           f"new tokens, {c['steps']} step(s) per temperature; model {c['model']}")
     rows = table_rows(report["arms"])
-    columns = COLUMNS + (["same_as_plain"] if any("same_as_plain" in r for r in rows) else [])
+    columns = COLUMNS + [c for c in ("rounds", "same_as_plain") if any(c in r for r in rows)]
     print_table(rows, columns)
     return rows
 
