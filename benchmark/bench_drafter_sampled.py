@@ -99,7 +99,7 @@ def train(kind: str, objective: str, temperature: float, data: list, args: argpa
     model = new_drafter(kind, args.model_path, data, args.draft_vocab, folder)
     head = load_target_head(args.model_path).lm_head
     loss = EagleLossConfig(soft_topk=args.soft_topk if kind == "eagle" else None, objective=objective,
-                           temperature=temperature, tv_weight=args.tv_weight)
+                           temperature=temperature, tv_weight=args.tv_weight, prob_weight=args.prob_weight)
     trainer = DrafterTrainer(model, lr=args.lr, loss=loss, unroll_steps=args.unroll_steps, target_head=head)
     samples = make_samples(data, kind == "eagle3")
     random.Random(0).shuffle(samples)
@@ -159,6 +159,7 @@ def main() -> None:
     p.add_argument("--samples-per-step", type=int, default=8)
     p.add_argument("--soft-topk", type=int, default=256, help="EAGLE-1/2 soft vocabulary (top-N target tokens)")
     p.add_argument("--tv-weight", type=float, default=1.0)
+    p.add_argument("--prob-weight", type=float, default=0.1, help="EAGLE-1/2 soft cross-entropy weight")
     p.add_argument("--unroll-steps", type=int, default=1)
     p.add_argument("--eval-steps", type=int, default=2, help="draft steps evaluated (chained)")
     p.add_argument("--draft-vocab", type=int, default=4096, help="EAGLE3 draft vocabulary")
