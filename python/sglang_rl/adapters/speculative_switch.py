@@ -43,9 +43,11 @@ class SwitchRuntime:
         self.behind = False  # the draft missed the last step(s): the next drafting step catches up
         self.catch_ups = 0
         self.plain_graph: Any = None  # the target's plain-decode graph runner (GPU), None: eager
+        self.error: Optional[str] = None  # why plain steps stopped (the server then drafts as sglang does)
 
     def stats(self) -> dict:
         return {**self.switch.stats(), "catch_ups": self.catch_ups, "catch_up_tokens": self.off_rows.capacity,
+                "error": self.error,
                 "plain_decode_graph": self.plain_graph is not None}
 
 
@@ -82,8 +84,8 @@ def forward_around(original: Callable, worker: Any, batch: Any, *args: Any, **kw
     target's plain decode; the first drafting step after off steps catches the draft up."""
     runtime = switch_of(worker)
     mode = getattr(batch, "forward_mode", None)
-    if (runtime is None or mode is None or mode.is_extend() or mode.is_idle() or batch.is_extend_in_batch
-            or batch.spec_info is None or batch.return_logprob or batch.has_grammar):
+    if (runtime is None or runtime.error is not None or mode is None or mode.is_extend() or mode.is_idle()
+            or batch.is_extend_in_batch or batch.spec_info is None or batch.return_logprob or batch.has_grammar):
         return original(worker, batch, *args, **kwargs)  # sglang's own step (logprobs, grammar: drafting)
     switch = runtime.switch
     on = switch.decide(int(batch.seq_lens.shape[0]))
@@ -93,9 +95,15 @@ def forward_around(original: Callable, worker: Any, batch: Any, *args: Any, **kw
     if on and not runtime.behind:
         return original(worker, batch, *args, **kwargs)
     on_publish = kwargs.get("on_publish")
-    result = plain_decode(worker, batch, runtime, on_publish, rows_for_draft=on)
+    try:
+        result = plain_decode(worker, batch, runtime, on_publish, rows_for_draft=on)
+        if on:
+            catch_up(worker, batch, result, runtime.off_rows)
+    except Exception as exc:  # the step again as sglang runs it (it rewrites the same KV slots and republishes)
+        logger.exception("speculation switch: a plain step failed; drafting in every step from now on")
+        runtime.error = f"{type(exc).__name__}: {exc}"
+        return original(worker, batch, *args, **kwargs)
     if on:
-        catch_up(worker, batch, result, runtime.off_rows)
         runtime.off_rows.clear()
         runtime.behind = False
         runtime.catch_ups += 1
