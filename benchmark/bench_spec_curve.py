@@ -125,6 +125,8 @@ def one_process(args: argparse.Namespace) -> dict:
                 if before is not None:  # drafting and plain steps of this cell (warm-up run included)
                     after = switch_steps(llm)
                     cell.update({k: after[k] - before[k] for k in ("steps_on", "steps_off")})
+                    if after.get("error"):  # plain steps failed: the server drafted instead (see its log)
+                        cell["switch_error"] = after["error"]
                 result["cells"].append({"accept": wanted, "batch": batch, **cell})
                 print(f"# {args.mode} accept {wanted} batch {batch}: {cell}", flush=True)
         result["noises"] = noises
