@@ -132,3 +132,13 @@ def test_cotrain_round_trains_the_sampled_objective(tmp_path: Path, unroll: int)
             loop.add(sample(seed=i))
         tv[objective] = loop.train_round()[1]["tv_loss"]
     assert tv["greedy"] == 0.0 and 0.0 < tv["sampled"] < 1.0
+
+
+def test_cotrain_loop_refuses_sampled_for_an_eagle3_drafter(tmp_path: Path) -> None:
+    """A shared trainer sees no server flags: it refuses the sampled objective for EAGLE3 itself."""
+    from sglang_rl.drafter.cotrain import CotrainConfig, CotrainLoop
+
+    folder, target_dir = random_folder(tmp_path)
+    CotrainLoop(CotrainConfig(str(folder), str(target_dir)))
+    with pytest.raises(ValueError, match="objective sampled needs EAGLE-1/2"):
+        CotrainLoop(CotrainConfig(str(folder), str(target_dir), objective="sampled"))

@@ -121,6 +121,9 @@ class CotrainLoop:
         device = torch.device(config.device)
         # weights and AdamW state stay float32; a lower train_dtype is autocast compute
         model = load_drafter(config.draft_path, config.target_path, dtype=torch.float32)
+        if model.config.is_eagle3 and config.objective == "sampled":  # served rows are aux rows: no p_T
+            raise ValueError("drafter co-training: objective sampled needs EAGLE-1/2; an EAGLE3 server's rows "
+                             "are the target's aux rows, which do not give its sampling distribution")
         schedule = LrSchedule.parse(config.lr_schedule)
         per_round = config.steps
         self.trainer = DrafterTrainer(
