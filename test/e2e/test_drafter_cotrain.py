@@ -99,6 +99,16 @@ def held_out(url: str, prompts: list) -> tuple[float, list[dict]]:
     tokens = after["held_out_tokens"][-1] - before["held_out_tokens"][-1]
     steps = after["held_out_verify_steps"][-1] - before["held_out_verify_steps"][-1]
     assert tokens == sum(o["usage"]["completion_tokens"] for o in outs) and steps > 0
+    # every held-out request is greedy: its bucket has them all, one histogram entry per verify step
+    greedy, earlier = after["held_out_by_temperature"][-1]["greedy"], before["held_out_by_temperature"][-1].get("greedy")
+    assert greedy["verify_steps"] - (earlier["verify_steps"] if earlier else 0) == steps
+    assert sum(greedy["histogram"]) == greedy["verify_steps"], greedy
+    # a verify step that accepted k drafts commits k + 1 tokens, the prefill one more per request
+    delta = [c - (earlier["histogram"][k] if earlier and k < len(earlier["histogram"]) else 0)
+             for k, c in enumerate(greedy["histogram"])]
+    assert tokens <= len(outs) + sum((k + 1) * c for k, c in enumerate(delta)), (tokens, delta)
+    rates = after["held_out_position_acceptance"][-1]
+    assert rates == greedy["position_acceptance"] and all(1 >= a >= b >= 0 for a, b in zip(rates, rates[1:])), rates
     return tokens / steps, [o["choices"][0]["message"] for o in outs]
 
 
