@@ -129,9 +129,11 @@ def read_rollouts(path: Path) -> list[dict]:
 
 
 def flush(url: str) -> None:
-    from sglang_rl_client.transport import Transport
-
-    Transport(url).post("/flush_cache", {})
+    """Empty the server's radix cache (sglang answers in plain text)."""
+    request = urllib.request.Request(url + "/flush_cache", data=b"", method="POST")
+    with urllib.request.urlopen(request, timeout=60) as r:
+        if r.status != 200:
+            raise SystemExit(f"/flush_cache answered {r.status}")
 
 
 def timed_verify(server: VerifierServer, rollouts: list[Any], concurrency: int, batch: int) -> dict:
