@@ -35,6 +35,7 @@ def _drafter_and_table(model_path: str, workdir: Path) -> Prepared:
 
 
 SWITCH = Spec("speculation-switch", (
+    "--log-level", "info",  # the switch logs at start-up whether off steps replay a graph
     "--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
     "--speculative-num-draft-tokens", "4", "--speculative-switch", "--speculative-switch-probe-interval", "6",
     "--speculative-switch-probe-steps", "1", "--speculative-switch-window", "2", "--toploc-verification",

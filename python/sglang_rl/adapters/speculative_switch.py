@@ -224,8 +224,9 @@ def resolve_tokens_after(tokens: Any, processor: Any, result: Any, *args: Any, *
 def internal_state_after(state: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
     """AFTER Scheduler.get_internal_state: the switch's state in /get_server_info."""
     runtime = switch_of(getattr(scheduler, "draft_worker", None))
-    if runtime is not None and isinstance(state, dict):
-        state["speculation_switch"] = runtime.stats()
+    fields = getattr(state, "internal_state", state)  # a GetInternalStateReqOutput
+    if runtime is not None and isinstance(fields, dict):
+        fields["speculation_switch"] = runtime.stats()
     return state
 
 
