@@ -2,7 +2,7 @@
 --toploc-verification, a set of rollouts, and `sglang-rl-verify`'s client (VerifierClient) at
 several client concurrencies and batch sizes. Prints one line per (concurrency, batch): rollouts
 verified per second, prefilled and response tokens per second, wall (device) time, server and
-client CPU time per rollout; and a ceiling line: a plain prefill of the same sequences
+client CPU time per rollout, and the sequences per prefill batch (from the server's INFO log); and a ceiling line: a plain prefill of the same sequences
 (max_new_tokens 1, no fingerprint) through the same client threads at the largest settings.
 
 The rollouts are a JSON-lines file (`--verify-load-file`, the client's input format) or are
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -25,6 +26,8 @@ from typing import Any, Optional
 
 from common import engine_kwargs, print_table
 
+PREFILL_SEQS = re.compile(r"Prefill batch.*?#new-seq: (\d+),")
+
 try:
     import sglang_rl_client  # noqa: F401
 except ImportError:  # a checkout where the client package is not installed: use its source
@@ -33,7 +36,7 @@ except ImportError:  # a checkout where the client package is not installed: use
 
 def server_flags(args: argparse.Namespace) -> list[str]:
     """launch_server flags equal to the Engine settings of the other modes (engine_kwargs)."""
-    kw = engine_kwargs(args.model_path, args.dummy, not args.cpu, log_level="warning")
+    kw = engine_kwargs(args.model_path, args.dummy, not args.cpu, log_level="info")  # a line per prefill batch
     if args.attention_backend:
         kw["attention_backend"] = args.attention_backend
     if args.cuda_graph_max_bs:
@@ -49,6 +52,7 @@ class VerifierServer:
 
     def __init__(self, args: argparse.Namespace, port: int, log_path: Path) -> None:
         self.url = f"http://127.0.0.1:{port}"
+        self.log_path = log_path
         env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1"} if args.cpu else dict(os.environ)
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "sglang.launch_server", *server_flags(args),
@@ -67,6 +71,16 @@ class VerifierServer:
             time.sleep(1)
         self.stop()
         raise SystemExit(f"the server was not up after {args.verify_load_start_timeout:.0f} s, see {log_path}")
+
+    def log_size(self) -> int:
+        return self.log_path.stat().st_size
+
+    def prefill_batches(self, since: int) -> list[int]:
+        """New sequences of each prefill batch the server logged after byte `since`."""
+        with self.log_path.open("rb") as f:
+            f.seek(since)
+            text = f.read().decode(errors="replace")
+        return [int(m) for m in PREFILL_SEQS.findall(text)]
 
     def cpu_seconds(self) -> float:
         """CPU seconds of the server's processes (launcher, tokenizer, scheduler, detokenizer)."""
@@ -142,12 +156,12 @@ def timed_verify(server: VerifierServer, rollouts: list[Any], concurrency: int, 
 
     flush(server.url)
     client = VerifierClient(server.url, batch_size=batch, concurrency=concurrency, timeout=3600)
-    cpu0, proc0, t0 = server.cpu_seconds(), time.process_time(), time.perf_counter()
+    log0, cpu0, proc0, t0 = server.log_size(), server.cpu_seconds(), time.process_time(), time.perf_counter()
     outcomes = list(client.verify_many(rollouts))
     wall = time.perf_counter() - t0
     return {"wall": wall, "server_cpu": server.cpu_seconds() - cpu0, "client_cpu": time.process_time() - proc0,
             "verified": sum(o.status == "verified" for o in outcomes),
-            "errors": [o.error for o in outcomes if o.error][:3]}
+            "errors": [o.error for o in outcomes if o.error][:3], "prefills": server.prefill_batches(log0)}
 
 
 def timed_prefill(server: VerifierServer, sequences: list[list[int]], concurrency: int, batch: int) -> dict:
@@ -162,12 +176,12 @@ def timed_prefill(server: VerifierServer, sequences: list[list[int]], concurrenc
     def post(group: list[list[int]]) -> Any:
         return transport.post("/generate", {"input_ids": group, "sampling_params": {"max_new_tokens": 1}})
 
-    cpu0, proc0, t0 = server.cpu_seconds(), time.process_time(), time.perf_counter()
+    log0, cpu0, proc0, t0 = server.log_size(), server.cpu_seconds(), time.process_time(), time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         list(pool.map(post, groups))
     wall = time.perf_counter() - t0
     return {"wall": wall, "server_cpu": server.cpu_seconds() - cpu0, "client_cpu": time.process_time() - proc0,
-            "verified": None, "errors": []}
+            "verified": None, "errors": [], "prefills": server.prefill_batches(log0)}
 
 
 def row(label: str, concurrency: int, batch: int, runs: list[dict], n: int, tokens: int, response: int) -> dict:
@@ -179,6 +193,8 @@ def row(label: str, concurrency: int, batch: int, runs: list[dict], n: int, toke
            "response_tok_per_s": round(response / wall, 1), "ms_per_rollout": round(1000 * wall / n, 2),
            "server_cpu_ms_per_rollout": round(1000 * run["server_cpu"] / n, 2),
            "client_cpu_ms_per_rollout": round(1000 * run["client_cpu"] / n, 2),
+           "seqs_per_prefill": (f"{sum(run['prefills']) / len(run['prefills']):.1f} (max {max(run['prefills'])})"
+                                if run["prefills"] else ""),
            "verified": "" if run["verified"] is None else f"{run['verified']}/{n}"}
     if run["errors"]:
         out["verified"] += " errors: " + "; ".join(run["errors"])
@@ -226,7 +242,8 @@ def run_verify_load(args: argparse.Namespace) -> None:
           f"{source}; {n} rollouts, {tokens} prompt+response tokens ({response} response); median of "
           f"{args.verify_load_runs} run(s) per line, radix cache flushed before each")
     print_table(lines, ["client", "concurrency", "batch", "rollouts_per_s", "tok_per_s", "response_tok_per_s",
-                        "ms_per_rollout", "server_cpu_ms_per_rollout", "client_cpu_ms_per_rollout", "verified"])
+                        "ms_per_rollout", "server_cpu_ms_per_rollout", "client_cpu_ms_per_rollout", "seqs_per_prefill",
+                        "verified"])
     print(f"\nbest: --concurrency {best['concurrency']} --batch-size {best['batch']} "
           f"({best['rollouts_per_s']} rollouts/s, {best['tok_per_s'] / lines[-1]['tok_per_s']:.2f} of the plain "
           "prefill's tokens/s)")
