@@ -21,7 +21,7 @@ from test_eagle_cpu import EAGLE
 from test_speculative_switch import SWITCH
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmark" / "bench_rollout.py"
-PROMPTS, SAMPLES, MAX_NEW = 2, 2, 16
+PROMPTS, SAMPLES, MAX_NEW = 2, 2, 8
 
 ARMS = ("plain", "eagle", "switch-cotrain")
 
