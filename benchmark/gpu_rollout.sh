@@ -16,7 +16,7 @@
 # $OUT when set, e.g. a device run's output folder),
 # PYTHON (default python), N prompts x G samples, MAX_NEW tokens (8B; MAX_NEW_SMALL for SmolLM2), STEPS per
 # temperature, TEMPS,
-# CALL_S (the time limit of one stage, default 470 s), SHAPE_FLAGS (the widened shape's flags).
+# CALL_S (the time limit of one stage, default 470 s; CPU: 1500), SHAPE_FLAGS (the widened shape's flags).
 # CPU=1 tries every stage on the CPU at a tiny size (float32, a small widened shape, 2 x 2 x 16).
 set -euo pipefail
 
@@ -26,7 +26,7 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 PYTHON=${PYTHON:-python}
 WORK=${WORK:-/tmp/rollout}
 RESULTS=$WORK/results
-CALL_S=${CALL_S:-470}
+CALL_S=${CALL_S:-$([ "${CPU:-0}" = 1 ] && echo 1500 || echo 470)}  # a CPU try is slower: all arms in one go
 mkdir -p "$WORK" "$RESULTS"
 # every stage leaves the results so far in $OUT too
 trap '[ -n "${OUT:-}" ] && [ "$OUT" != "$RESULTS" ] && cp -r "$RESULTS/." "$OUT/"' EXIT
