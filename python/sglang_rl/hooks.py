@@ -272,6 +272,12 @@ def _on(flag: Any) -> str:
 
 
 def register() -> None:
-    """Entry point of the plugin: register every hook of the table with sglang's HookRegistry."""
+    """Entry point of the plugin: register every hook of the table with sglang's HookRegistry, once
+    per process (an install that Python finds twice lists the entry point twice, and a hook
+    registered twice would run twice)."""
+    if getattr(HookRegistry, "_sglang_rl_registered", False):
+        logger.warning("sglang-rl: the plugin's entry point was called again; its hooks are registered once")
+        return
+    HookRegistry._sglang_rl_registered = True
     for hook in hook_table():
         HookRegistry.register(hook.target, hook.fn, hook.kind)
