@@ -67,6 +67,7 @@ def test_switch_flips_while_answers_fingerprints_and_training_stay_right(switch_
     state = switch_state(switch_server.url)
     assert state["error"] is None, state
     steps = {k: state[k] - before[k] for k in ("steps_on", "steps_off", "flips", "probes", "catch_ups")}
+    print(f"\n[speculation switch] {steps}, acceptance {state['acceptance']}")
     assert steps["steps_off"] > steps["steps_on"] > 0 and steps["flips"] >= 4 and steps["catch_ups"] >= 2, state
     assert state["acceptance"] is not None and state["acceptance"] < 2.5, state
     assert state["table"] == TABLE["break_even_tokens_per_step"], state
