@@ -15,16 +15,9 @@ import torch
 
 from sglang_rl.drafter import DrafterTrainer, EagleLossConfig, build_eagle_batch, init_drafter, sample_from_rows
 from sglang_rl.drafter.sampled import acceptance_metrics
+from test_drafter_smollm2 import CHAT
 
-TRAIN = [
-    {"role": "user", "content": "Explain in a few sentences why the sky is blue."},
-    {"role": "assistant", "content": (
-        "The sky looks blue because sunlight is scattered by the molecules in the air. Blue light "
-        "has a shorter wavelength than red light, so it is scattered much more strongly. When you "
-        "look at the sky away from the sun, you see this scattered blue light coming from every "
-        "direction. At sunset the light travels through more air, the blue is scattered away, and "
-        "the sky turns red and orange.")},
-]
+TRAIN = CHAT  # test_drafter_smollm2's chat
 HELD_OUT = [
     {"role": "user", "content": "Why do leaves change colour in autumn?"},
     {"role": "assistant", "content": (
