@@ -78,7 +78,7 @@ def _chat_messages(tokenizer, i: int, rng: random.Random) -> list[dict]:
 def build_cases(tokenizer) -> list[dict]:
     rng = random.Random(20261121)
     cases = []
-    token_cases = 0  # the non-chat cases take the prompt lengths in turn (7 is prime to their number)
+    token_cases = chat_cases = 0  # token cases take the prompt lengths in turn (7 is prime to 20)
     for i in range(36):  # every endpoint x stream x max_tokens pairing at least once
         endpoint, stream = ENDPOINTS[i % 6]
         max_tokens = MAX_TOKENS[(i // 6) % 4]
@@ -86,9 +86,10 @@ def build_cases(tokenizer) -> list[dict]:
         case = {"id": i, "endpoint": endpoint, "stream": stream, "max_tokens": max_tokens,
                 "temperature": temperature, "n": 1}
         if endpoint == "chat":
-            case["messages"] = _chat_messages(tokenizer, i, rng)
-            if i % 4 == 0:  # short chat answers stop by EOS before the limit
+            case["messages"] = _chat_messages(tokenizer, chat_cases, rng)  # the three kinds in turn
+            if chat_cases % 3 == 0:  # short questions: their answers stop by EOS before the limit
                 case["max_tokens"] = 70
+            chat_cases += 1
         else:
             length = PROMPT_LENGTHS[(token_cases * 7) % len(PROMPT_LENGTHS)]
             token_cases += 1
