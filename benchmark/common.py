@@ -109,3 +109,17 @@ def run_in_subprocesses(script: str, argv: list[str], flag: str, values: list[st
         print(f"# process {n}/{len(values)} ({flag} {value}): {line[-1]}", flush=True)
         results.append(json.loads(line[-1][len("RESULT "):]))
     return results
+
+
+def stop_process_group(proc, grace_s: float) -> None:
+    """SIGTERM to the process group a bench started (start_new_session), SIGKILL after grace_s."""
+    import signal
+    import subprocess
+
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

@@ -4,12 +4,13 @@ own process group, stopped with it), and the check that a given server runs what
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from common import stop_process_group
 
 # the server_args fields each arm needs on (checked through /get_server_info)
 ARM_FLAGS = {"plain": (), "eagle": (), "switch": ("speculative_switch",),
@@ -80,13 +81,7 @@ class Launched:
         raise SystemExit(f"arm {arm}: the server was not healthy after {timeout:.0f} s (see {self.log})")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        stop_process_group(self.proc, 30)
 
 
 def check_server(arm: str, url: str) -> dict:

@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional
 
-from common import engine_kwargs, print_table
+from common import engine_kwargs, print_table, stop_process_group
 
 PREFILL_SEQS = re.compile(r"Prefill batch.*?#new-seq: (\d+),")
 
@@ -97,14 +97,7 @@ class VerifierServer:
         return total
 
     def stop(self) -> None:
-        import signal
-
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
+        stop_process_group(self.proc, 60)
         self.log.close()
 
 
