@@ -124,7 +124,7 @@ def one_process(args: argparse.Namespace) -> dict:
                 cell = timed(llm, batch, args, args.timed_runs)
                 if before is not None:  # drafting and plain steps of this cell (warm-up run included)
                     after = switch_steps(llm)
-                    cell.update({k: after[k] - before[k] for k in ("steps_on", "steps_off")})
+                    cell.update({k: after[k] - before[k] for k in ("steps_on", "steps_off", "plain_steps_in_graph")})
                     if after.get("error"):  # plain steps failed: the server drafted instead (see its log)
                         cell["switch_error"] = after["error"]
                 result["cells"].append({"accept": wanted, "batch": batch, **cell})
@@ -286,7 +286,8 @@ def main() -> None:
             rows = [{"accept_set": c["accept"], "batch": c["batch"], "plain_tok_s": plain[c["batch"]],
                      "switch_tok_s": c["tok_s"], "switch_vs_plain": round(c["tok_s"] / plain[c["batch"]], 3),
                      "switch_tokens_per_step": c["tokens_per_step"], "switch_steps_on": c.get("steps_on"),
-                     "switch_steps_off": c.get("steps_off")} for c in results["switch"]["cells"]]
+                     "switch_steps_off": c.get("steps_off"),
+                     "switch_off_steps_in_graph": c.get("plain_steps_in_graph")} for c in results["switch"]["cells"]]
     if "eagle" in results:
         eagle = results["eagle"]["cells"]
         config = adaptive_config(plain, eagle, args.batch_sizes)
@@ -320,7 +321,7 @@ def main() -> None:
     print_table(rows, [c for c in ["accept_set", "batch", "tokens_per_step", "plain_tok_s", "eagle_tok_s", "eagle_vs_plain",
                        "off_tok_s", "off_vs_plain", "adaptive_tok_s", "adaptive_vs_plain", "adaptive_tokens_per_step",
                        "switch_tok_s", "switch_vs_plain", "switch_tokens_per_step", "switch_steps_on",
-                       "switch_steps_off"] if any(c in r for r in rows)])
+                       "switch_steps_off", "switch_off_steps_in_graph"] if any(c in r for r in rows)])
 
 
 if __name__ == "__main__":

@@ -185,6 +185,7 @@ class RLServerArgs(ServerArgs):
                              "format holds the auxiliary layers an EAGLE3 target captures for its draft")
         if self.speculative_switch:
             self._check_speculative_switch()
+        running_given = self.max_running_requests is not None
         if self.drafter_cotrain:
             self._check_cotrain()
             if self.enable_memory_saver:
@@ -192,7 +193,17 @@ class RLServerArgs(ServerArgs):
                 # loaded into the draft, which nobody pushes back (sglang issue #31674)
                 self.enable_draft_weights_cpu_backup = True
         super().__post_init__()
+        if self.speculative_switch and not running_given:
+            self._lift_speculative_running_cap()
         self._check_last_layer_rows_without_graphs()
+
+    def _lift_speculative_running_cap(self) -> None:
+        """sglang runs a speculative server at most 48 requests at a time unless told otherwise
+        (arg_groups/speculative_hook.py); a switched server decodes large batches plainly, so it
+        takes as many as a plain server (sized from the KV pool at start-up)."""
+        logger.info("--speculative-switch: no --max-running-requests given, so as many running requests as a plain "
+                    "server (not sglang's 48 for speculative decoding)")
+        self.override("sglang-rl --speculative-switch", max_running_requests=None)
 
     def _check_speculative_switch(self) -> None:
         """The switch drives sglang's EAGLE worker and replaces sglang's own adaptive speculation."""

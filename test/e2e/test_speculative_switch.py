@@ -84,6 +84,9 @@ def test_switch_flips_while_answers_fingerprints_and_training_stay_right(switch_
 
     metrics = requests.get(switch_server.url + "/metrics", timeout=60).text
     assert "sglang_rl:speculation_switch_steps_off" in metrics, metrics[-2000:]
+    # off steps decode plainly, so the server admits a plain server's batch, not sglang's 48 for speculation
+    info = requests.get(switch_server.url + "/get_server_info", timeout=60).json()
+    assert info["internal_states"][0]["effective_max_running_requests_per_dp"] > 48, info["internal_states"][0]
 
 
 def test_rows_equal_a_prefill_replay_across_flips(switch_server: Server, hf: HFReference) -> None:

@@ -42,12 +42,13 @@ class SwitchRuntime:
         self.off_rows = OffRows(catch_up_tokens)
         self.behind = False  # the draft missed the last step(s): the next drafting step catches up
         self.catch_ups = 0
+        self.plain_steps_in_graph = 0  # plain steps that replayed the plain-decode CUDA graph (the rest ran eagerly)
         self.plain_graph: Any = None  # the target's plain-decode graph runner (GPU), None: eager
         self.error: Optional[str] = None  # why plain steps stopped (the server then drafts as sglang does)
 
     def stats(self) -> dict:
         return {**self.switch.stats(), "catch_ups": self.catch_ups, "catch_up_tokens": self.off_rows.capacity,
-                "error": self.error,
+                "error": self.error, "plain_steps_in_graph": self.plain_steps_in_graph,
                 "plain_decode_graph": self.plain_graph is not None}
 
 
@@ -151,6 +152,7 @@ def plain_decode(worker: Any, batch: Any, runtime: SwitchRuntime, on_publish: Op
             decode, capture_hidden_mode=CaptureHiddenMode.LAST if rows_for_draft else None)
     finally:
         runner.decode_cuda_graph_runner, runner.attn_backend = verify_graph, verify_backend
+    runtime.plain_steps_in_graph += bool(getattr(result, "can_run_cuda_graph", False))
     read_done = getattr(runner, "war_fastpath_read_done_event", None)
     if read_done is not None:  # the scheduler's WAR barrier waits on the worker's last graph read, as plain sglang's
         runner.war_fastpath_read_done_event = None
