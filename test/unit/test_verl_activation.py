@@ -15,7 +15,7 @@ import pytest
 from sglang_rl.adapters import rollout_records
 from sglang_rl.request_options import FINGERPRINTS_FIELD
 
-# each runs in a fresh interpreter, all at once (importing verl takes seconds); the tests read the outputs
+# each runs in a fresh interpreter, both at once (importing verl takes seconds); the tests read the outputs
 SCRIPTS = {
     "lazily": (
         "import sys\n"
@@ -28,13 +28,27 @@ SCRIPTS = {
         "print('replica:', cls.__name__, cls.__mro__[1].__name__)\n"
         "import verl.workers.rollout.sglang_rollout.async_sglang_server as m\n"
         "print('server args:', m.ServerArgs.__name__)\n"
+        "args = m.ServerArgs(model_path=sys.argv[1], toploc_verification=True)\n"  # as verl builds them
+        "print('flag taken:', args.toploc_verification)\n"
         "from verl.trainer.ppo.v1 import get_trainer_cls\n"  # what verl's TaskRunnerV1 calls
         "cls = get_trainer_cls('sglang_rl_sync')\n"
         "print('trainer:', cls.__name__, cls.__mro__[1].__name__)\n"
         "print('sync untouched:', get_trainer_cls('sync').__name__)\n"
     ),
+    # verl imported first: without the hook it knows neither the trainer nor the flags; then the hook
     "after_import": (
+        "import sys\n"
         "import verl.workers.rollout.replica as r\n"
+        "from verl.trainer.ppo.v1 import get_trainer_cls\n"
+        "import verl.workers.rollout.sglang_rollout.async_sglang_server as m\n"
+        "try:\n"
+        "    get_trainer_cls('sglang_rl_sync')\n"
+        "except ValueError as exc:\n"
+        "    print('refused:', exc)\n"
+        "try:\n"
+        "    m.ServerArgs(model_path=sys.argv[1], toploc_verification=True)\n"
+        "except TypeError as exc:\n"
+        "    print('flag refused:', exc)\n"
         "from sglang_rl.integrations.verl.activate import load_plugins_first\n"
         "load_plugins_first()\n"
         "load_plugins_first()\n"  # twice: registered once, verl's loader kept underneath
@@ -42,21 +56,15 @@ SCRIPTS = {
         "print('wraps verl:', loader.__closure__[0].cell_contents.__name__)\n"
         "print('replica:', r.get_rollout_replica_class('sglang').__name__)\n"
         "print('vllm untouched:', r.RolloutReplicaRegistry._registry['vllm'].__name__)\n"
-    ),
-    "without_hook": (
-        "from verl.trainer.ppo.v1 import get_trainer_cls\n"
-        "try:\n"
-        "    get_trainer_cls('sglang_rl_sync')\n"
-        "except ValueError as exc:\n"
-        "    print('refused:', exc)\n"
+        "print('trainer after:', get_trainer_cls('sglang_rl_sync').__name__)\n"
     ),
 }
 
 
 @pytest.fixture(scope="module")
-def scripts_run() -> dict[str, str]:
-    procs = {name: subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    text=True) for name, code in SCRIPTS.items()}
+def scripts_run(model_path: str) -> dict[str, str]:
+    procs = {name: subprocess.Popen([sys.executable, "-c", code, model_path], stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True) for name, code in SCRIPTS.items()}
     outputs = {}
     for name, proc in procs.items():
         out, err = proc.communicate(timeout=600)
@@ -69,7 +77,7 @@ def test_hook_registers_the_replica_and_the_trainer_lazily(scripts_run: dict) ->
     out = scripts_run["lazily"]
     assert "imported before: False False False" in out, out
     assert "replica: SGLangRLReplica SGLangReplica" in out, out
-    assert "server args: RLServerArgs" in out, out
+    assert "server args: RLServerArgs" in out and "flag taken: True" in out, out
     assert "trainer: SGLangRLTrainerSync PPOTrainerSync" in out, out
     assert "sync untouched: PPOTrainerSync" in out, out
 
@@ -78,11 +86,14 @@ def test_hook_after_verl_was_imported_acts_at_once(scripts_run: dict) -> None:
     out = scripts_run["after_import"]
     assert "replica: SGLangRLReplica" in out and "vllm untouched: _load_vllm" in out, out
     assert "wraps verl: _load_sglang" in out, out
+    assert "trainer after: SGLangRLTrainerSync" in out, out
 
 
-def test_without_the_hook_verl_knows_no_such_trainer(scripts_run: dict) -> None:
-    out = scripts_run["without_hook"]
+def test_without_the_hook_verl_refuses_the_trainer_and_the_flags(scripts_run: dict) -> None:
+    """The reason the hook exists: verl builds ServerArgs before sglang loads plugins."""
+    out = scripts_run["after_import"]
     assert "refused: Unknown trainer 'sglang_rl_sync'" in out, out
+    assert "flag refused:" in out and "toploc_verification" in out.split("flag refused:")[1].splitlines()[0], out
 
 
 class _Manager:
