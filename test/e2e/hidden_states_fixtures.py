@@ -123,6 +123,24 @@ def engine_job(model_path: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="session")
+def engine_results(model_path: str) -> dict:
+    """What the Engine job saved (test_hidden_states_engine and test_plugin_surface read it)."""
+    job = engine_job(model_path)
+    try:
+        rc = job["proc"].wait(timeout=900)
+    except Exception:
+        os.killpg(job["proc"].pid, 9)
+        raise
+    job["log_file"].close()
+    log = Path(job["log"]).read_text()
+    assert rc == 0, f"Engine script failed (rc {rc}), log {job['log']}:\n{log[-4000:]}"
+    results = torch.load(job["out"], weights_only=False)
+    print(f"\n[hidden-states] Engine subprocess: start {results['start_s']:.0f}s, total {results['total_s']:.0f}s, "
+          f"waited {time.time() - job['t0']:.0f}s since launch", flush=True)
+    return results
+
+
+@pytest.fixture(scope="session")
 def refusal_server(plain_server: Server) -> Server:
     """A server with the plugin and no --enable-return-hidden-states (conftest's `plain_server`)."""
     return plain_server

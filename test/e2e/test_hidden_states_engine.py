@@ -6,20 +6,19 @@ The Engine runs in a subprocess: this file run as a script (`python test_hidden_
 OUT MODEL`, the __main__ guard below) starts sgl.Engine on the CPU, makes the requests and
 torch.saves what came back; the test compares it with the HF forward. The subprocess is started in
 the background as soon as the first hidden-states fixture is requested (hidden_states_fixtures.
-engine_job), so it overlaps the HTTP servers' start.
+engine_job), so it overlaps the HTTP servers' start. The Engine has TOPLOC on (as hs_server) and
+also makes test_plugin_surface's Engine calls (`_surface_calls`): one Engine start for both.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from pathlib import Path
 
-import pytest
 import torch
 
-from hidden_states_fixtures import check_response, engine_job, report
+from hidden_states_fixtures import check_response, report
 
 HERE = Path(__file__).resolve().parent
 
@@ -55,7 +54,7 @@ def _engine_main(out_path: str, model_path: str) -> None:
     t0 = time.time()
     engine = sgl.Engine(model_path=model_path, device="cpu", attention_backend="torch_native", dtype="float32",
                         max_total_tokens=16384, enable_return_hidden_states=True, chunked_prefill_size=64,
-                        log_level="warning")
+                        toploc_verification=True, log_level="warning")
     started = time.time() - t0
     print(f"[engine] started in {started:.0f}s", flush=True)
     ids = {"return_input_ids": True, "return_output_ids": True}
@@ -105,26 +104,43 @@ def _engine_main(out_path: str, model_path: str) -> None:
         after = engine.generate(prompt=SHORT_PROMPT, sampling_params={"max_new_tokens": 3, **greedy}, **ids,
                                 return_hidden_states=True, hidden_states_format="tensor")
         keep("after errors", {"return_hidden_states": True, "hidden_states_format": "tensor"}, after)
+        surface = _surface_calls(engine)
     finally:
         engine.shutdown()
-    torch.save({"records": records, "errors": errors, "start_s": started, "total_s": time.time() - t0}, out_path)
+    torch.save({"records": records, "errors": errors, "surface": surface, "start_s": started,
+                "total_s": time.time() - t0}, out_path)
 
 
-@pytest.fixture(scope="module")
-def engine_results(model_path: str) -> dict:
-    job = engine_job(model_path)
+def _surface_calls(engine) -> dict:
+    """test_plugin_surface's Engine calls: fingerprints from `generate`, verified by the Engine."""
+    result = {}
+    params = {"max_new_tokens": 8, "temperature": 0}
+    # the documented call: sampling params passed positionally, sglang-rl fields as kwargs
     try:
-        rc = job["proc"].wait(timeout=900)
-    except Exception:
-        os.killpg(job["proc"].pid, 9)
-        raise
-    job["log_file"].close()
-    log = Path(job["log"]).read_text()
-    assert rc == 0, f"Engine script failed (rc {rc}), log {job['log']}:\n{log[-4000:]}"
-    results = torch.load(job["out"], weights_only=False)
-    print(f"\n[hidden-states] Engine subprocess: start {results['start_s']:.0f}s, total {results['total_s']:.0f}s, "
-          f"waited {time.time() - job['t0']:.0f}s since launch", flush=True)
-    return results
+        out = engine.generate("The capital of France is", params, return_output_ids=True)
+        result["positional"] = {"ok": True, "meta": out["meta_info"], "text": out["text"]}
+    except Exception as exc:  # noqa: BLE001 - recorded for the test to assert on
+        result["positional"] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    # the same request with every argument by keyword
+    out = engine.generate(prompt="The capital of France is", sampling_params=params,
+                          return_output_ids=True, return_input_ids=True)
+    meta = out["meta_info"]
+    result["keyword"] = {"meta": meta, "text": out["text"]}
+    fp = meta["toploc_verification_fingerprints"][-1]
+    check = engine.generate(input_ids=meta["input_ids"] + meta["output_ids"], sampling_params={"max_new_tokens": 0},
+                            toploc_verification_fingerprint_to_validate=fp, toploc_verification_expect_greedy=True)
+    result["verification"] = check["meta_info"]
+    # a batch: each prompt's own fingerprint as a per-item kwarg list (lengths differ)
+    outs = engine.generate(["Name a color:", "Count to five:", "Hello"],
+                           [{"max_new_tokens": n, "temperature": 0} for n in (3, 9, 6)],
+                           return_input_ids=True, return_output_ids=True)
+    batch = engine.generate(
+        input_ids=[o["meta_info"]["input_ids"] + o["meta_info"]["output_ids"] for o in outs],
+        sampling_params={"max_new_tokens": 0},
+        toploc_verification_fingerprint_to_validate=[o["meta_info"]["toploc_verification_fingerprints"][-1]
+                                                     for o in outs])
+    result["batch_verification"] = [b["meta_info"] for b in batch]
+    return result
 
 
 def test_engine_rows_match_hf(engine_results, hf) -> None:
