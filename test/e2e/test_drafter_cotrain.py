@@ -65,8 +65,8 @@ cotrain_server = server_fixture(COTRAIN, scope="module",
                                 doc="EAGLE with a random-init drafter (`sglang_rl.drafter init`), co-training on.")
 
 
-def chat(url: str, messages: list[dict], opt_out: bool = False) -> dict:
-    body = {"model": "default", "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0,
+def chat(url: str, messages: list[dict], opt_out: bool = False, max_tokens: int = MAX_TOKENS) -> dict:
+    body = {"model": "default", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
             "return_input_ids": True, "return_output_ids": True}
     if opt_out:
         body["drafter_cotrain"] = False
@@ -203,8 +203,8 @@ def test_a_round_waits_while_the_weights_are_released(cotrain_server: Server) ->
     meanwhile is loaded after the resume, not into the released (on a GPU: unmapped) memory."""
     url, prompts = cotrain_server.url, gsm8k()
     before = stats(url)
-    with ThreadPoolExecutor(ROUND) as pool:  # one round's samples
-        list(pool.map(lambda m: chat(url, m), prompts[200:200 + ROUND]))
+    with ThreadPoolExecutor(ROUND) as pool:  # one round's samples, short: only when the round loads matters here
+        list(pool.map(lambda m: chat(url, m, max_tokens=12), prompts[200:200 + ROUND]))
     _post_ok(url, "/release_memory_occupation", {"tags": ["kv_cache", "weights"]})
     try:
         # the trainer trains this round meanwhile: until its process has worked and gone idle
