@@ -22,7 +22,7 @@ from e2e_servers import EAGER, Prepared, Server, Spec, server_fixture
 from test_drafter_cotrain import gsm8k, stats, wait_rounds
 from toploc_helpers import assert_fingerprints_verify
 
-ROUND = 8
+ROUND = 4  # small rounds: the checks are that every part of the draft changes, not by how much
 DRAFT_VOCAB = 4096
 MAX_TOKENS = 32
 WATCHED = ("fc.weight", "layers.0.self_attn.q_proj.weight", "layers.0.mlp.down_proj.weight", "lm_head.weight")
@@ -40,7 +40,7 @@ def _eagle3_drafter(model_path: str, workdir: Path) -> Prepared:
 COTRAIN_EAGLE3 = Spec("cotrain-eagle3", (
     "--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
     "--speculative-num-draft-tokens", "4", "--drafter-cotrain", "--drafter-cotrain-samples-per-round", str(ROUND),
-    "--drafter-cotrain-steps", "10", "--drafter-cotrain-lr", "1e-3", "--drafter-cotrain-unroll-steps", "2",
+    "--drafter-cotrain-steps", "4", "--drafter-cotrain-lr", "1e-3", "--drafter-cotrain-unroll-steps", "2",
     "--drafter-cotrain-threads", "1", "--enable-metrics", "--toploc-verification"), env=EAGER, prepare=_eagle3_drafter)
 cotrain_eagle3_server = server_fixture(COTRAIN_EAGLE3, scope="module",
                                        doc="EAGLE3 with a random-init drafter, co-training and TOPLOC on.")
