@@ -52,20 +52,48 @@ _HERE = Path(__file__).resolve().parent
 SHARED_FIRST = ("hs-radix-chunked", "hs-noradix", "disabled", "plain")
 
 
+# A server at most this many modules use is "few-shared": its modules run next to each other
+# (more users, like the main toploc server, are up for most of the run anyway).
+FEW_USERS = 3
+
+
 def module_rank(keys: set) -> int:
     """Where a module whose tests need the servers `keys` runs among the e2e modules."""
     return next((rank for rank, key in enumerate(SHARED_FIRST) if key in keys), len(SHARED_FIRST))
 
 
+def module_order(needs: dict) -> list:
+    """The modules (dict order = file order) grouped by rank (`module_rank`); within a group, the
+    users of a few-shared server run together, last in their group when that server's other users
+    come in a later group, which then starts with them (so the server is up for adjacent modules,
+    not for all the modules between)."""
+    paths = list(needs)
+    users: dict = {}
+    for path in paths:
+        for key in needs[path] - set(SHARED_FIRST):
+            users.setdefault(key, []).append(path)
+    few = {key: group for key, group in users.items() if 1 < len(group) <= FEW_USERS}
+    rank = {path: module_rank(needs[path]) for path in paths}
+
+    def place(path) -> tuple:
+        mine = [key for key in few if path in few[key]]
+        head = any(rank[other] < rank[path] for key in mine for other in few[key])
+        tail = any(rank[other] > rank[path] for key in mine for other in few[key])
+        cluster = min([paths.index(few[key][0]) for key in mine] + [paths.index(path)])
+        return rank[path], 0 if head else 2 if tail else 1, cluster, paths.index(path)
+
+    return sorted(paths, key=place)
+
+
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:
-    """Run the e2e modules grouped by the shared servers they need (`SHARED_FIRST`); other
+    """Run the e2e modules grouped by the shared servers they need (`module_order`); other
     tests first, and every module's tests in their own order."""
     modules: dict = {}
     for item in items:
         modules.setdefault(item.path, []).append(item)
     e2e = [path for path in modules if _HERE in Path(path).resolve().parents]
     needs = {path: set().union(*(server_keys(item) for item in modules[path])) for path in e2e}
-    ordered = [path for path in modules if path not in needs] + sorted(e2e, key=lambda path: module_rank(needs[path]))
+    ordered = [path for path in modules if path not in needs] + module_order(needs)
     items[:] = [item for path in ordered for item in modules[path]]
 
 
