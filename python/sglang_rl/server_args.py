@@ -162,6 +162,14 @@ class RLServerArgs(ServerArgs):
     speculative_switch_probe_steps: A[
         int, "sglang-rl: drafting steps of one probe of the speculation switch."
     ] = 8
+    speculative_switch_probe_backoff: A[
+        int, "sglang-rl: the longest wait between two probes of the speculation switch, in probe intervals (each "
+        "probe that leaves drafting off doubles the wait; new draft weights reset it)."
+    ] = 8
+    speculative_switch_probe_reach: A[
+        float, "sglang-rl: the speculation switch probes only at batch sizes whose break-even is at most this many "
+        "tokens per step above the last measured acceptance."
+    ] = 0.5
     speculative_switch_catch_up_tokens: A[
         int, "sglang-rl: plain decode steps whose target rows the speculation switch keeps on the device, to catch "
         "the drafter up on them when drafting resumes (0: only the resuming step's)."
@@ -216,7 +224,8 @@ class RLServerArgs(ServerArgs):
         if self.speculative_switch_catch_up_tokens < 0:
             raise ValueError("--speculative-switch-catch-up-tokens must be >= 0")
         SwitchConfig(window=self.speculative_switch_window, probe_interval=self.speculative_switch_probe_interval,
-                     probe_steps=self.speculative_switch_probe_steps)
+                     probe_steps=self.speculative_switch_probe_steps, probe_backoff=self.speculative_switch_probe_backoff,
+                     probe_reach=self.speculative_switch_probe_reach)
         BreakEvenTable.load(self.speculative_switch_table)  # a bad table fails at start-up, not at the first step
 
     def _check_last_layer_rows_without_graphs(self) -> None:

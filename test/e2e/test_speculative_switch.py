@@ -38,7 +38,8 @@ SWITCH = Spec("speculation-switch", (
     "--log-level", "info",  # the switch logs at start-up whether off steps replay a graph
     "--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
     "--speculative-num-draft-tokens", "4", "--speculative-switch", "--speculative-switch-probe-interval", "6",
-    "--speculative-switch-probe-steps", "1", "--speculative-switch-window", "2", "--toploc-verification",
+    "--speculative-switch-probe-steps", "1", "--speculative-switch-window", "2",
+    "--speculative-switch-probe-backoff", "1", "--speculative-switch-probe-reach", "10", "--toploc-verification",
     "--enable-return-hidden-states", "--enable-metrics",
     "--drafter-cotrain", "--drafter-cotrain-samples-per-round", str(ROUND), "--drafter-cotrain-steps", "2",
     "--drafter-cotrain-threads", "1",

@@ -53,9 +53,30 @@ def test_unknown_acceptance_probes_then_stays_on_where_it_pays() -> None:
 
 
 def test_low_acceptance_turns_off_and_probes_every_interval() -> None:
-    switch = SpeculationSwitch(TABLE, SwitchConfig(window=4, probe_interval=5, probe_steps=2))
+    switch = SpeculationSwitch(TABLE, SwitchConfig(window=4, probe_interval=5, probe_steps=2, probe_backoff=1,
+                                                   probe_reach=1.0))
     assert run(switch, 8, 16, 1.2) == [True, True] + [False] * 5 + [True, True] + [False] * 5 + [True, True]
     assert switch.probes == 3 and switch.steps_on == 6 and switch.steps_off == 10
+
+
+def test_failed_probes_back_off_until_the_drafter_changes() -> None:
+    switch = SpeculationSwitch(TABLE, SwitchConfig(window=4, probe_interval=5, probe_steps=2, probe_backoff=4,
+                                                   probe_reach=1.0))
+    got = run(switch, 8, 2 + 5 + 2 + 10 + 2 + 20 + 2 + 20 + 2, 1.2)
+    probes = [i for i, on in enumerate(got) if on and (i == 0 or not got[i - 1])]
+    assert probes == [0, 7, 19, 41, 63]  # waits 5, 10, 20, then capped at 4 intervals
+    assert switch.stats()["probe_wait"] == 20 and run(switch, 8, 19, 1.2) == [False] * 19
+    switch.drafter_changed()  # new draft weights: measured at once, then the usual interval again
+    assert switch.stats()["probe_wait"] == 5 and switch.acceptance() == 1.2  # the last measurement until the probe
+    assert run(switch, 8, 6, 3.0) == [True] * 6  # the probe measured 3.0 >= 1.8: drafting stays on
+
+
+def test_no_probe_where_the_last_acceptance_is_out_of_reach() -> None:
+    switch = SpeculationSwitch(TABLE, SwitchConfig(window=4, probe_interval=3, probe_steps=2, probe_reach=0.5))
+    assert run(switch, 1, 5, 1.4) == [True, True, False, False, False]  # measured 1.4 < 1.5 at batch 1
+    assert run(switch, 32, 10, 1.4) == [False] * 10  # 1.4 + 0.5 < 2.6: no probe at batch 32
+    assert run(switch, 8, 3, 1.4) == [True, True, False]  # 1.4 + 0.5 >= 1.8: the overdue probe at batch 8
+    assert switch.probes == 2
 
 
 def test_a_probe_lasts_until_its_steps_are_measured() -> None:
@@ -70,10 +91,17 @@ def test_a_probe_lasts_until_its_steps_are_measured() -> None:
 
 
 def test_a_better_drafter_is_switched_back_on_by_a_probe() -> None:
-    switch = SpeculationSwitch(TABLE, SwitchConfig(window=2, probe_interval=4, probe_steps=2))
+    switch = SpeculationSwitch(TABLE, SwitchConfig(window=2, probe_interval=4, probe_steps=2, probe_reach=1.0))
     assert run(switch, 8, 6, 1.0)[-4:] == [False] * 4
     assert run(switch, 8, 6, 3.0) == [True] * 6  # the probe measured 3.0 >= 1.8: drafting stays on
     assert switch.acceptance() == 3.0
+
+
+def test_new_draft_weights_are_measured_at_once() -> None:
+    switch = SpeculationSwitch(TABLE, SwitchConfig(window=2, probe_interval=100, probe_steps=2))
+    assert run(switch, 8, 6, 1.0)[-4:] == [False] * 4  # 1.0 + 0.5 < 1.8: no probe would come at batch 8
+    switch.drafter_changed()  # a co-training round
+    assert run(switch, 8, 6, 3.0) == [True] * 6 and switch.probes == 2
 
 
 def test_batch_size_decides_with_the_same_acceptance() -> None:
@@ -113,3 +141,7 @@ def test_bad_config_is_refused() -> None:
         SwitchConfig(window=0)
     with pytest.raises(ValueError):
         SwitchConfig(probe_steps=0)
+    with pytest.raises(ValueError):
+        SwitchConfig(probe_backoff=0)
+    with pytest.raises(ValueError):
+        SwitchConfig(probe_reach=-1.0)

@@ -153,14 +153,18 @@ def _bucket_tensors(payload: Any) -> list[tuple[str, torch.Tensor]]:
 # --- loading -------------------------------------------------------------------------------------
 
 
-def _load(eagle: Any, named: list[tuple[str, torch.Tensor]]) -> None:
-    """Copy checked tensors into the draft's parameters, in place (CUDA graphs keep working)."""
+def _load(eagle: Any, named: list[tuple[str, torch.Tensor]], scheduler: Any) -> None:
+    """Copy checked tensors into the draft's parameters, in place (CUDA graphs keep working), and
+    tell the speculation switch (if any) that the drafter changed."""
+    from sglang_rl.adapters.speculative_switch import drafter_changed
+
     runner = eagle.draft_runner
     # A forward still in flight (overlap scheduling) finishes reading the old weights first.
     torch.get_device_module(runner.device).synchronize()
     ok, message = runner.weight_updater.update_weights_from_tensor(named_tensors=named, load_format=None)
     if not ok:
         raise RuntimeError(message)
+    drafter_changed(scheduler.draft_worker)
 
 
 def _flush(scheduler: Any, flush_cache: bool, empty_cache: bool = False) -> str:
@@ -201,7 +205,7 @@ def load_draft_tensors(scheduler: Any, named: list[tuple[str, torch.Tensor]]) ->
     spec, _ = draft_spec(eagle)
     check_update(spec, [TensorInfo(n, tuple(t.shape), t.is_floating_point()) for n, t in named])
     start = time.perf_counter()
-    _load(eagle, named)
+    _load(eagle, named, scheduler)
     return f"loaded {len(named)} draft tensors in {time.perf_counter() - start:.3f}s"
 
 
@@ -240,7 +244,7 @@ def update_from_disk(scheduler: Any, req: DraftWeightsFromDiskReqInput) -> Updat
             with safe_open(str(file), framework="pt") as f:
                 named.extend((rename(key), f.get_tensor(key)) for key in f.keys() if rename(key) in wanted)
         start = time.perf_counter()
-        _load(eagle, named)
+        _load(eagle, named, scheduler)
         took = time.perf_counter() - start
         note = f"; skipped {len(skipped)} names the draft does not load ({', '.join(skipped[:8])})" if skipped else ""
         return (f"loaded {len(named)} draft tensors from {req.model_path} in {took:.3f}s{note}; "

@@ -56,6 +56,13 @@ def switch_of(worker: Any) -> Optional[SwitchRuntime]:
     return getattr(worker, ATTR, None)
 
 
+def drafter_changed(worker: Any) -> None:
+    """New draft weights were loaded into this worker's draft: the switch probes at its usual interval again."""
+    runtime = switch_of(worker)
+    if runtime is not None:
+        runtime.switch.drafter_changed()
+
+
 def scheduler_init_after(result: Any, scheduler: Any, server_args: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER Scheduler.__init__: --speculative-switch puts a switch on the scheduler's EAGLE worker."""
     if not getattr(server_args, "speculative_switch", False):
@@ -67,7 +74,9 @@ def scheduler_init_after(result: Any, scheduler: Any, server_args: Any, *args: A
     table = BreakEvenTable.load(server_args.speculative_switch_table)
     config = SwitchConfig(window=server_args.speculative_switch_window,
                           probe_interval=server_args.speculative_switch_probe_interval,
-                          probe_steps=server_args.speculative_switch_probe_steps)
+                          probe_steps=server_args.speculative_switch_probe_steps,
+                          probe_backoff=server_args.speculative_switch_probe_backoff,
+                          probe_reach=server_args.speculative_switch_probe_reach)
     runtime = SwitchRuntime(SpeculationSwitch(table, config),
                             SwitchMetrics.create(server_args, getattr(scheduler.ps, "dp_rank", 0) or 0),
                             server_args.speculative_switch_catch_up_tokens)
