@@ -109,14 +109,14 @@ def timed(llm, batch: int, args: argparse.Namespace, prompts: list[list[int]] | 
     return round(statistics.median(rates), 1)
 
 
-def gsm8k_prompts(model_path: str, n: int) -> list[list[int]]:
+def gsm8k_prompts(model_path: str, n: int, start: int = 0) -> list[list[int]]:
     from transformers import AutoTokenizer
 
     from sglang_rl.datasets import gsm8k_path
 
     tok = AutoTokenizer.from_pretrained(model_path)
     with open(gsm8k_path()) as f:
-        chats = [json.loads(line)["messages"] for line in f][:n]
+        chats = [json.loads(line)["messages"] for line in f][start:start + n]
     return [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
             for c in chats]
 
@@ -143,10 +143,10 @@ def one_process(args: argparse.Namespace) -> dict:
         if args.role in ("widened", "widened-eagle") and args.drafter:  # speculation pays on text, not noise
             result["gsm8k_tok_s"] = {}
             for batch in args.batch_sizes:
-                result["gsm8k_tok_s"][str(batch)] = timed(llm, batch, args, gsm8k_prompts(folders["small"], batch))
+                result["gsm8k_tok_s"][str(batch)] = timed(llm, batch, args, gsm8k_prompts(folders["small"], batch, args.gsm8k_start))
                 print(f"# {args.role} GSM8K batch {batch}: {result['gsm8k_tok_s'][str(batch)]} tok/s", flush=True)
         if args.role != "dummy" and args.agree_prompts:
-            prompts = gsm8k_prompts(folders["small"], args.agree_prompts)
+            prompts = gsm8k_prompts(folders["small"], args.agree_prompts, args.gsm8k_start)
             sp = {"max_new_tokens": args.agree_tokens, "temperature": 0}
             if args.role == "small-serial":  # the control: the same model, one request at a time
                 result["answers"] = [llm.generate(input_ids=q, sampling_params=sp)["output_ids"] for q in prompts]
@@ -194,6 +194,8 @@ def main() -> None:
                    "further layout)")
     p.add_argument("--drafter", help="an EAGLE or EAGLE3 drafter folder of the small model: widened with the model, "
                    "both pairs answer the GSM8K prompts (acceptance) and the widened pair is timed (speedup)")
+    p.add_argument("--gsm8k-start", type=int, default=0, help="first GSM8K prompt used (e.g. past a drafter's "
+                   "training prompts, for held-out acceptance)")
     p.add_argument("--control", action="store_true", help="also answer with the small model one request at a time: "
                    "its agreement with its own batched answers is what bf16 batching alone changes")
     p.add_argument("--cpu", action="store_true", help="run on the CPU: float32, a small wide shape, short runs")
