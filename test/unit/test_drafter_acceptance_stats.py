@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 from sglang.srt.sampling.sampling_params import SamplingParams
 
-from sglang_rl.adapters.cotrain import _Counts, temperature_bucket
+from sglang_rl.adapters.cotrain_acceptance import RoundCounts, temperature_bucket
 from sglang_rl.drafter.acceptance import at_least_rates
 from sglang_rl.drafter.cotrain import CotrainConfig
 
@@ -30,7 +30,7 @@ def test_temperature_buckets_of_sglangs_sampling_params() -> None:
 
 
 def test_counts_split_by_temperature_and_merge_histograms() -> None:
-    counts = _Counts()
+    counts = RoundCounts()
     req = lambda t, hist: SimpleNamespace(sampling_params=SamplingParams(temperature=t),  # noqa: E731
                                           spec_correct_drafts_histogram=hist)
     counts.add(req(0.7, [2, 1]), tokens=6, steps=3)

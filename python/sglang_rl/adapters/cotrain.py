@@ -9,20 +9,11 @@ policy version become a sample for the co-training process (`sglang_rl.drafter.c
 trains in rounds off the scheduler loop; samples are built and posted between batches, when the
 scheduler is idle or a round's worth waits. Between two batches the scheduler also takes finished
 rounds from the outbox and loads them through the draft-only weight update
-(`adapters.drafter_weights`).
-
-Acceptance per round is counted here from what sglang already measures per request:
-committed tokens over `spec_verify_ct` of the requests that finished while the round's weights
-served. Requests that opted out (held-out evaluation traffic) are counted separately, so a
-caller can measure acceptance on prompts the drafter never trained on. Each count also keeps
-sglang's per-request histogram of accepted drafts per verify step (per-position acceptance: the
-share of verify steps that accepted at least k drafts) and is split by the request's sampling
-temperature ("greedy", "0.7", "1"), so a caller reads held-out acceptance at T = 0.7.
+(`adapters.drafter_weights`). Acceptance per round: `adapters/cotrain_acceptance.py`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import queue
 import time
@@ -34,13 +25,13 @@ import torch
 from sglang.srt.managers.io_struct import GetWeightsByNameReqInput, GetWeightsByNameReqOutput
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 
+from sglang_rl.adapters.cotrain_acceptance import RoundCounts, acceptance_stats
 from sglang_rl.adapters.cotrain_metrics import CotrainMetrics
 from sglang_rl.adapters import cotrain_parallel as parallel
 from sglang_rl.adapters.cotrain_rows import CotrainRows
 from sglang_rl.adapters.request_state import kcbs_beam_of, kcbs_search_of, state_of
 from sglang_rl.adapters.cotrain_config import config_from_args
 from sglang_rl.adapters.cotrain_idle import idle_event, note_idle, weights_released
-from sglang_rl.drafter.acceptance import at_least_rates, merge_histograms
 from sglang_rl.drafter.cotrain import inbox_size, start_cotrain_process
 from sglang_rl.drafter.messages import Error, Held, Ready, Round, Sample, Stop, TargetHead, from_wire, to_wire
 from sglang_rl.drafter.trainer_client import RemoteTrainer
@@ -62,52 +53,6 @@ def _checksum(embed: torch.Tensor, head: torch.Tensor) -> tuple[float, ...]:
         return float(sample.sum()), float(sample.square().sum())
 
     return one(embed) + one(head)
-
-
-@dataclasses.dataclass
-class _Acceptance:
-    tokens: int = 0
-    verify_steps: int = 0
-    histogram: list = dataclasses.field(default_factory=list)  # verify steps by accepted drafts
-
-    def add(self, tokens: int, steps: int, histogram: Any = ()) -> None:
-        self.tokens += tokens
-        self.verify_steps += steps
-        self.histogram = merge_histograms([self.histogram, histogram])
-
-    @property
-    def length(self) -> Optional[float]:
-        return self.tokens / self.verify_steps if self.verify_steps else None
-
-    def summary(self) -> dict:
-        return {"acceptance_length": self.length, "tokens": self.tokens, "verify_steps": self.verify_steps,
-                "histogram": self.histogram, "position_acceptance": at_least_rates(self.histogram)}
-
-
-class _Counts:
-    """One round's acceptance: all requests, and per sampling-temperature bucket."""
-
-    def __init__(self) -> None:
-        self.all = _Acceptance()
-        self.by_temperature: dict[str, _Acceptance] = {}
-
-    def add(self, req: Any, tokens: int, steps: int) -> None:
-        histogram = list(getattr(req, "spec_correct_drafts_histogram", None) or ())
-        self.all.add(tokens, steps, histogram)
-        bucket = temperature_bucket(getattr(req, "sampling_params", None))
-        if bucket is not None:
-            self.by_temperature.setdefault(bucket, _Acceptance()).add(tokens, steps, histogram)
-
-
-def temperature_bucket(params: Any) -> Optional[str]:
-    """"greedy" (sglang normalises temperature 0 to top_k 1), else the temperature ("0.7", "1");
-    None when the request carries no sampling parameters."""
-    temperature = getattr(params, "temperature", None)
-    if temperature is None:
-        return None
-    if getattr(params, "top_k", None) == 1 or temperature <= 0:
-        return "greedy"
-    return f"{round(float(temperature), 2):g}"
 
 
 class CotrainRuntime:
@@ -144,8 +89,8 @@ class CotrainRuntime:
         self.errors: list[str] = []
         self.rounds: list[dict] = []
         self.swap_checks: list[dict] = []  # every round the trainer checked, loaded or held
-        self.acceptance = [_Counts()]  # index r: requests served by round r's weights
-        self.held_out = [_Counts()]
+        self.acceptance = [RoundCounts()]  # index r: requests served by round r's weights
+        self.held_out = [RoundCounts()]
         self.saved: Optional[dict] = None  # the last POST /save_draft_weights (adapters/drafter_save.py)
         self.metrics = CotrainMetrics.create(server_args, dp_rank) if self.sends_rows else CotrainMetrics({})
 
@@ -291,8 +236,8 @@ class CotrainRuntime:
             return
         self.rounds.append({**metrics, "applied_seconds": time.perf_counter() - start, "message": message,
                             "forward_ct": getattr(scheduler, "forward_ct", None)})
-        self.acceptance.append(_Counts())
-        self.held_out.append(_Counts())
+        self.acceptance.append(RoundCounts())
+        self.held_out.append(RoundCounts())
 
     def stats(self) -> dict:
         """What GET /drafter_cotrain_stats returns (one list entry per round; index 0 is the
@@ -317,18 +262,7 @@ class CotrainRuntime:
             "swap_checks": self.swap_checks,
             **({"round_gap_wait_s": [r.get("gap_wait_s", 0.0) for r in self.rounds]} if self.idle is not None else {}),
             "round_policy_version": [r["policy_version"] for r in self.rounds],
-            "acceptance_length": [a.all.length for a in self.acceptance],
-            "acceptance_tokens": [a.all.tokens for a in self.acceptance],
-            "acceptance_verify_steps": [a.all.verify_steps for a in self.acceptance],
-            "position_acceptance": [at_least_rates(a.all.histogram) for a in self.acceptance],
-            "acceptance_by_temperature": [{k: v.summary() for k, v in a.by_temperature.items()}
-                                          for a in self.acceptance],
-            "held_out_acceptance_length": [a.all.length for a in self.held_out],
-            "held_out_tokens": [a.all.tokens for a in self.held_out],
-            "held_out_verify_steps": [a.all.verify_steps for a in self.held_out],
-            "held_out_position_acceptance": [at_least_rates(a.all.histogram) for a in self.held_out],
-            "held_out_by_temperature": [{k: v.summary() for k, v in a.by_temperature.items()}
-                                        for a in self.held_out],
+            **acceptance_stats(self.acceptance, self.held_out),
             "tv_loss": [r.get("tv_loss") for r in self.rounds],
             "buffer_samples": self.rounds[-1]["buffer_samples"] if self.rounds else 0,
             "buffer_bytes": self.rounds[-1]["buffer_bytes"] if self.rounds else 0,
