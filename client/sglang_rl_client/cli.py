@@ -24,9 +24,11 @@ import sys
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import IO, Any, NoReturn, Optional
+from typing import IO, Any, Optional
 
-EXIT_VERIFIED, EXIT_FAILED, EXIT_USAGE, EXIT_ERRORS = 0, 1, 2, 3
+from sglang_rl_client.arguments import EXIT_USAGE, ArgumentParser
+
+EXIT_VERIFIED, EXIT_FAILED, EXIT_ERRORS = 0, 1, 3  # EXIT_USAGE (2): arguments.py
 EXIT_CODES = f"""exit codes:
   {EXIT_VERIFIED}  every response verified (and, with --calibration, no worker suspect or rejected)
   {EXIT_FAILED}  some response failed verification, or a worker is suspect or rejected
@@ -36,14 +38,6 @@ EXIT_CODES = f"""exit codes:
 API_KEY_ENV = "SGLANG_RL_API_KEY"
 # worker verdicts without --calibration (with it: accept, undecided, suspect, reject)
 ALL_VERIFIED, SOME_FAILED, UNCHECKED = "verified", "failed", "unchecked"
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse's parser whose errors are one line (`PROG: error: REASON`, exit code 2), without
-    the usage block; `--help` still shows it."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
 # --------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from sglang_rl_client.calibration import CalibrationError, load_calibration
-from sglang_rl_client.cli import ArgumentParser
+from sglang_rl_client.arguments import ArgumentParser
 from sglang_rl_client.evidence import REJECT, EvidencePolicy, Fleet
 
 

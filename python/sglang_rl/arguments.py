@@ -6,6 +6,6 @@ class is the client's (`sglang-rl-verify`), so the plugin's commands and the cli
 
 from __future__ import annotations
 
-from sglang_rl_client.cli import ArgumentParser
+from sglang_rl_client.arguments import ArgumentParser
 
 __all__ = ["ArgumentParser"]
