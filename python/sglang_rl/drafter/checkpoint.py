@@ -36,6 +36,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from sglang_rl.drafter.checkpoint_format import INIT_SCHEMES, WEIGHTS_FILE, DrafterCheckpointError
 from sglang_rl.drafter.config import DrafterConfig, dtype_from_name
 from sglang_rl.drafter.model import DraftModel, EagleDrafter
 from sglang_rl.drafter.target_weights import load_target_head
@@ -51,15 +52,9 @@ __all__ = [
     "sglang_weights",
 ]
 
-WEIGHTS_FILE = "model.safetensors"
-INIT_SCHEMES = ("passthrough", "normal")
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 _IGNORED_NAMES = ("embed_tokens.weight", "lm_head.weight", "layers.0.input_layernorm.weight", "norm.weight")
 _CONFLICTING_FILES = ("model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
-
-
-class DrafterCheckpointError(ValueError):
-    """A drafter folder is missing weights, has wrong shapes, or would be ambiguous to sglang."""
 
 
 @torch.no_grad()

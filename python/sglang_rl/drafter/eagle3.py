@@ -30,7 +30,7 @@ from typing import Mapping, Sequence
 import torch
 from safetensors.torch import load_file, save_file
 
-from sglang_rl.drafter.checkpoint import INIT_SCHEMES, WEIGHTS_FILE, DrafterCheckpointError
+from sglang_rl.drafter.checkpoint_format import INIT_SCHEMES, WEIGHTS_FILE, DrafterCheckpointError
 from sglang_rl.drafter.config import EAGLE3_ARCHITECTURE, DrafterConfig, dtype_from_name
 from sglang_rl.drafter.target_weights import _read, load_target_head, tensor_files
 

@@ -27,7 +27,7 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from sglang_rl.drafter.checkpoint import DrafterCheckpointError
+from sglang_rl.drafter.checkpoint_format import DrafterCheckpointError
 from sglang_rl.drafter.config import DrafterConfig, DrafterConfigError
 from sglang_rl.drafter.eagle3 import read_eagle3, save_eagle3, sglang_name, specforge_name, vocab_map
 from sglang_rl.drafter.model import DraftDecoderLayer, DraftModel, RMSNorm, rotary_inv_freq

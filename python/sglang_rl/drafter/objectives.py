@@ -23,7 +23,7 @@ drafter reads the aux part) and the target's LM head.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Mapping
+from typing import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -32,9 +32,8 @@ from sglang_rl.drafter.eagle3_loss import eagle3_labels, eagle3_loss
 from sglang_rl.drafter.eagle3_model import Eagle3Drafter
 from sglang_rl.drafter.loss import EagleLossConfig, LossOutput, SoftTargets, eagle_loss, soft_targets
 from sglang_rl.drafter.model import DraftModel, EagleDrafter
+from sglang_rl.drafter.prepared_batch import PreparedBatch
 
-if TYPE_CHECKING:
-    from sglang_rl.drafter.trainer import PreparedBatch
 
 __all__ = ["Eagle3Objective", "EagleObjective", "objective_for"]
 
@@ -60,7 +59,7 @@ class EagleObjective:
         keep = torch.nonzero(mask > 0).flatten()
         return target, mask, soft_targets(target[keep], self.model.head_weight, self.loss_config)
 
-    def step_loss(self, pred: torch.Tensor, batch: "PreparedBatch", mask: torch.Tensor,
+    def step_loss(self, pred: torch.Tensor, batch: PreparedBatch, mask: torch.Tensor,
                   soft: SoftTargets) -> tuple[LossOutput, float]:
         out = eagle_loss(pred, batch.target, mask, self.model.head_weight, self.loss_config, soft)
         pred_top1 = out.pred_top1
@@ -109,7 +108,7 @@ class Eagle3Objective:
         hot = self.model.to_target_ids(torch.arange(self.model.draft_vocab_size, device=self.model.d2t.device))
         return p[:, hot.to(p.device)]
 
-    def step_loss(self, pred: torch.Tensor, batch: "PreparedBatch", mask: torch.Tensor,
+    def step_loss(self, pred: torch.Tensor, batch: PreparedBatch, mask: torch.Tensor,
                   soft: SoftTargets) -> tuple[LossOutput, float]:
         out = eagle3_loss(self.model, pred, batch.target, mask, soft.probs, self.temperature or 1.0,
                           self.loss_config.tv_weight)

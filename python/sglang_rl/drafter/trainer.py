@@ -21,7 +21,7 @@ pairs whose draft argmax (as a target id) is that token.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from contextlib import nullcontext
 from typing import Any, Callable, ContextManager, Mapping, Optional
@@ -33,38 +33,12 @@ from sglang_rl.drafter.data import batches_from_samples
 from sglang_rl.drafter.loss import EagleLossConfig, SoftTargets
 from sglang_rl.drafter.model import DraftModel
 from sglang_rl.drafter.objectives import objective_for
+from sglang_rl.drafter.prepared_batch import PreparedBatch
 from sglang_rl.drafter.sample import AlignedSample
 from sglang_rl.drafter.unroll import unroll_valid, unrolled_predictions
 from sglang_rl.drafter.window import DEFAULT_WINDOW
 
 __all__ = ["DrafterTrainer", "PreparedBatch"]
-
-
-@dataclass(frozen=True)
-class PreparedBatch:
-    """A ``build_eagle_batch`` dict on the model's device and dtype, flattened to ``[N]`` /
-    ``[N, H]``, with the target side of the loss (:class:`SoftTargets`) computed once.
-
-    ``target`` and ``loss_mask`` are the objective's (``objectives.py``): EAGLE-1/2 the next
-    rows and the batch's mask; EAGLE3 the draft-id labels and weights that drop unlabelled pairs."""
-
-    input_ids: torch.Tensor
-    hidden_states: torch.Tensor
-    target: torch.Tensor
-    loss_mask: torch.Tensor
-    position_ids: torch.Tensor
-    cu_seqlens: torch.Tensor
-    soft: SoftTargets
-
-    @property
-    def num_pairs(self) -> int:
-        """Pairs in the batch (masked or not)."""
-        return int(self.input_ids.shape[0])
-
-    @property
-    def num_loss_pairs(self) -> int:
-        """Pairs with a positive loss weight."""
-        return int((self.loss_mask > 0).sum())
 
 
 def _subset(soft: SoftTargets, rows: torch.Tensor) -> SoftTargets:
