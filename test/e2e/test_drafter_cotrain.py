@@ -133,10 +133,14 @@ def test_cotraining_raises_held_out_acceptance(cotrain_server: Server, toploc_se
     acc0, messages0 = held_out(url, prompts)
     ids0 = [m["output_ids"] for m in messages0]
 
-    # a round's rollouts, then its training and swap
-    with ThreadPoolExecutor(8) as pool:
+    # a round's rollouts (one batch), then its training and swap; meanwhile (the trainer uses one
+    # core) the held-out answers of a server without speculative decoding
+    with ThreadPoolExecutor(TRAIN_PROMPTS) as pool:
         list(pool.map(lambda i: chat(url, prompts[i]), range(TRAIN_PROMPTS)))
-    wait_rounds(url, TRAIN_PROMPTS // ROUND)
+    with ThreadPoolExecutor(len(HELD_OUT)) as pool:
+        plain = pool.map(lambda i: chat(toploc_server.url, prompts[i]), HELD_OUT)
+        wait_rounds(url, TRAIN_PROMPTS // ROUND)
+        plain = list(plain)
     trained = stats(url)
     assert not trained["errors"], trained["errors"]
     assert trained["samples"] >= TRAIN_PROMPTS  # and sglang's start-up warm-up request
@@ -155,8 +159,6 @@ def test_cotraining_raises_held_out_acceptance(cotrain_server: Server, toploc_se
     # the target decides every token: same greedy ids before and after the swaps, and as a
     # server without speculative decoding
     assert ids1 == ids0
-    with ThreadPoolExecutor(len(HELD_OUT)) as pool:
-        plain = list(pool.map(lambda i: chat(toploc_server.url, prompts[i]), HELD_OUT))
     assert [p["choices"][0]["message"]["output_ids"] for p in plain] == ids0
     # and the fingerprints of the swapped-in drafter's runs verify without speculative decoding
     assert_fingerprints_verify(toploc_server.url, messages1)
