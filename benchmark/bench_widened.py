@@ -143,7 +143,8 @@ def one_process(args: argparse.Namespace) -> dict:
         if args.role in ("widened", "widened-eagle") and args.drafter:  # speculation pays on text, not noise
             result["gsm8k_tok_s"] = {}
             for batch in args.batch_sizes:
-                result["gsm8k_tok_s"][str(batch)] = timed(llm, batch, args, gsm8k_prompts(folders["small"], batch, args.gsm8k_start))
+                prompts = gsm8k_prompts(folders["small"], batch, args.gsm8k_start)
+                result["gsm8k_tok_s"][str(batch)] = timed(llm, batch, args, prompts)
                 print(f"# {args.role} GSM8K batch {batch}: {result['gsm8k_tok_s'][str(batch)]} tok/s", flush=True)
         if args.role != "dummy" and args.agree_prompts:
             prompts = gsm8k_prompts(folders["small"], args.agree_prompts, args.gsm8k_start)

@@ -48,6 +48,7 @@ from sglang.srt.managers.io_struct import (
 )
 
 from sglang_rl.adapters.eagle_draft import draft_spec, find_eagle_draft, is_eagle3, resync_shared_tensors
+from sglang_rl.adapters.speculative_switch import drafter_changed
 from sglang_rl.draft_weight_check import (
     DraftWeightError,
     TensorInfo,
@@ -156,8 +157,6 @@ def _bucket_tensors(payload: Any) -> list[tuple[str, torch.Tensor]]:
 def _load(eagle: Any, named: list[tuple[str, torch.Tensor]], scheduler: Any) -> None:
     """Copy checked tensors into the draft's parameters, in place (CUDA graphs keep working), and
     tell the speculation switch (if any) that the drafter changed."""
-    from sglang_rl.adapters.speculative_switch import drafter_changed
-
     runner = eagle.draft_runner
     # A forward still in flight (overlap scheduling) finishes reading the old weights first.
     torch.get_device_module(runner.device).synchronize()

@@ -57,7 +57,8 @@ def switch_of(worker: Any) -> Optional[SwitchRuntime]:
 
 
 def drafter_changed(worker: Any) -> None:
-    """New draft weights were loaded into this worker's draft: the switch probes at its usual interval again."""
+    """New draft weights were loaded into this worker's draft: the switch measures them at the next
+    step that may draft (`SpeculationSwitch.drafter_changed`)."""
     runtime = switch_of(worker)
     if runtime is not None:
         runtime.switch.drafter_changed()

@@ -9,8 +9,8 @@ that leaves drafting off doubles the wait before the next (up to `probe_backoff`
 costs drafting steps and a catch-up, and the acceptance rarely jumps. A probe starts only at a batch
 size whose break-even is within `probe_reach` of the last measured acceptance (a drafter measured at
 1.5 tokens per step is not probed where drafting needs 2.6). New draft weights (`drafter_changed`)
-forget the measurement: the next step that may draft probes them. A batch size where drafting never
-pays (above the table's last drafting entry) is off and never probed.
+are probed at the next step that may draft, and the backoff starts over. A batch size where drafting
+never pays (above the table's last drafting entry) is off and never probed.
 """
 
 from __future__ import annotations
