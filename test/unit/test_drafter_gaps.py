@@ -39,12 +39,17 @@ def test_the_gate_gives_up_after_the_rounds_budget() -> None:
 
 
 def _compute_share(gate: IdleGate, steps: int, step_s: float) -> float:
-    """Share of the wall time spent in `steps` steps of `step_s` each, each after `gate.wait()`."""
+    """Share of the wall time spent in `steps` steps of `step_s` each, each after `gate.wait()`.
+    A step's time is what it took, not `step_s`: on a loaded machine a sleep overruns, and the
+    gate paces by the time a step took."""
     start = time.perf_counter()
+    computed = 0.0
     for _ in range(steps):
         gate.wait()
+        step_start = time.perf_counter()
         time.sleep(step_s)  # the optimizer step
-    return steps * step_s / (time.perf_counter() - start)
+        computed += time.perf_counter() - step_start
+    return computed / (time.perf_counter() - start)
 
 
 def test_busy_steps_are_paced_to_their_share_once_the_wait_is_spent() -> None:
