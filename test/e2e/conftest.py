@@ -74,6 +74,9 @@ def module_order(needs: dict) -> list:
             users.setdefault(key, []).append(path)
     few = {key: group for key, group in users.items() if 1 < len(group) <= FEW_USERS}
     rank = {path: module_rank(needs[path]) for path in paths}
+    for path in paths:  # a module that needs none of SHARED_FIRST runs in the group of its few-shared partners
+        if rank[path] == len(SHARED_FIRST):
+            rank[path] = min([rank[other] for key in few if path in few[key] for other in few[key]] + [rank[path]])
 
     def place(path) -> tuple:
         mine = [key for key in few if path in few[key]]

@@ -15,11 +15,21 @@ from __future__ import annotations
 import copy
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 import requests
 
+from e2e_servers import Spec
+from hidden_states_fixtures import HS_NORADIX
 from toploc_helpers import sse_events
+
+CALIBRATION = Path(__file__).resolve().parents[2] / "docs" / "results" / "cpu_smollm2_calibration.json"
+
+# The TOPLOC server of test_upstream_differential (which compares its answers with sglang's) and
+# of test_toploc_calibration (which verifies on it with the calibration file's bounds).
+DIFFERENTIAL_TOPLOC = Spec("differential-toploc", (*HS_NORADIX.args, "--toploc-verification",
+                                                   "--toploc-verification-calibration", str(CALIBRATION)))
 
 TIMEOUT = 300
 

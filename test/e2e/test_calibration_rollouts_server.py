@@ -21,9 +21,9 @@ def test_saved_rollouts_verify_elsewhere_and_fit_with_the_first_records(
 ) -> None:
     saved, leg_a, leg_b = tmp_path / "rollouts", tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     saved.mkdir()
-    honest = saved / "rollouts_honest_b2.jsonl.gz"
+    honest = saved / "rollouts_honest_b10.jsonl.gz"
     assert servers.main(["--generator", toploc_server.url, "--verifier", toploc_server.url, "--model-path", model_path,
-                         "--config", "honest_b2", "--prompts", "10", "--max-tokens", "40", "--batch", "2",
+                         "--config", "honest_b10", "--prompts", "10", "--max-tokens", "40", "--batch", "10",
                          "--generator-gpu", H100, "--verifier-gpu", H100, "--save-rollouts", str(honest),
                          "--out", str(leg_a)]) == 0
     rows = read_rollouts(honest)
@@ -36,19 +36,19 @@ def test_saved_rollouts_verify_elsewhere_and_fit_with_the_first_records(
     write_rollouts(edited, saved / "rollouts_edited.jsonl")
 
     assert servers.main(["--verify-rollouts", str(saved), "--verifier", toploc_server.url,
-                         "--verifier-config", "verifier_b", "--verifier-gpu", H200, "--batch", "2",
+                         "--verifier-config", "verifier_b", "--verifier-gpu", H200, "--batch", "10",
                          "--out", str(leg_b)]) == 0
     a, b = read_records([leg_a]), read_records([leg_b])
-    assert all(r["verified"] and r["verifier_gpu"] == H100 and r["config"] == "honest_b2" for r in a)
+    assert all(r["verified"] and r["verifier_gpu"] == H100 and r["config"] == "honest_b10" for r in a)
     by_config: dict[str, list[dict]] = {}
     for r in b:
         by_config.setdefault(r["config"], []).append(r)
-    assert sorted(by_config) == ["edited:H100>verifier_b:H200", "honest_b2:H100>verifier_b:H200"]
-    assert [r["verified"] for r in by_config["honest_b2:H100>verifier_b:H200"]] == [True] * 10
+    assert sorted(by_config) == ["edited:H100>verifier_b:H200", "honest_b10:H100>verifier_b:H200"]
+    assert [r["verified"] for r in by_config["honest_b10:H100>verifier_b:H200"]] == [True] * 10
     assert [r["verified"] for r in by_config["edited:H100>verifier_b:H200"]] == [False] * 2
     assert {(r["generator_gpu"], r["verifier_gpu"], r["verifier_config"]) for r in b} == {(H100, H200, "verifier_b")}
     # the same responses verified twice give the same statistics: leg B checked what leg A saved
-    assert [r["chunks"] for r in by_config["honest_b2:H100>verifier_b:H200"]] == [r["chunks"] for r in a]
+    assert [r["chunks"] for r in by_config["honest_b10:H100>verifier_b:H200"]] == [r["chunks"] for r in a]
 
     cal_path = tmp_path / "cal.json"
     capsys.readouterr()
@@ -56,6 +56,6 @@ def test_saved_rollouts_verify_elsewhere_and_fit_with_the_first_records(
                      "--stats", str(leg_a), "--stats", str(leg_b)]) == 0
     cal = load_calibration(cal_path)
     configs = json.loads(cal_path.read_text())["summary"]["configs"]
-    assert configs["honest_b2"]["responses"] == 10 and configs["edited:H100>verifier_b:H200"]["responses"] == 2
+    assert configs["honest_b10"]["responses"] == 10 and configs["edited:H100>verifier_b:H200"]["responses"] == 2
     assert configs["edited:H100>verifier_b:H200"]["rejected_per_response"] == 1.0
     assert cal.full.max_exp_mismatches >= 1

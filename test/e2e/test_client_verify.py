@@ -36,7 +36,7 @@ def rollouts(toploc_server, tokenizer) -> list[dict]:
         ids = tokenizer.encode(TEXTS[i], add_special_tokens=False)
         return gen_generate(toploc_server.url, input_ids=ids, max_tokens=(20, 40)[i % 2], ignore_eos=True)[0]
 
-    return pmap(generate, range(len(TEXTS)), workers=3)
+    return pmap(generate, range(len(TEXTS)), workers=len(TEXTS))
 
 
 def test_sglang_rl_verify_on_the_servers_rollouts(toploc_server, rollouts: list[dict], tmp_path: Path) -> None:

@@ -2,7 +2,7 @@
 
 36 varied single-choice requests (prompt lengths 1..300 tokens, max_tokens in {1, 5, 33, 70},
 EOS and length stops, greedy and sampled, /generate, /v1/completions and /v1/chat/completions,
-streaming and not) plus n=2 requests, sent 16 at a time so generations and verifications share
+streaming and not) plus n=2 requests, all sent at once so generations and verifications share
 batches. Each response is verified in the exact-token form (via /generate or /v1/completions);
 chat responses also in the chat form. Every verification must pass, greedy ones must be
 greedy-consistent, and every fingerprint must hold ceil(n/32) proofs.
@@ -133,7 +133,7 @@ def run_case(url: str, case: dict) -> dict:
 @pytest.fixture(scope="module")
 def roundtrips(toploc_server, tokenizer) -> list[dict]:
     cases = build_cases(tokenizer)
-    return pmap(lambda c: run_case(toploc_server.url, c), cases, workers=16)
+    return pmap(lambda c: run_case(toploc_server.url, c), cases, workers=len(cases))
 
 
 def _results(roundtrips, form=None) -> list[dict]:

@@ -16,6 +16,7 @@ from toploc_helpers import pmap, post, record
 from sglang_rl.calibration.measure import gsm8k_prompts
 
 MAX_TOKENS = 80
+ALONE_TOKENS = 24
 SEED = 1234
 HONEST = {"temperature": 0.7, "top_p": 0.9}
 
@@ -47,9 +48,23 @@ def _verify(url: str, sample: dict, **claim) -> dict:
     return json.loads(resp.json()["meta_info"]["toploc_verification_fingerprint_validation_result"])
 
 
+def _greedy(url: str, prompt: list[int]) -> dict:
+    resp = post(url, "/generate", {"input_ids": prompt, "sampling_params": {"max_new_tokens": 16, "temperature": 0.0}})
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
 @pytest.fixture(scope="module")
-def samples(toploc_server, prompts) -> list[dict]:
-    return pmap(lambda p: _generate(toploc_server.url, p), prompts)
+def batch(toploc_server, prompts) -> dict:
+    """The seeded responses, and a greedy request without the field sent among them (same batches)."""
+    outs = pmap(lambda i: _greedy(toploc_server.url, prompts[1]) if i == len(prompts)
+                else _generate(toploc_server.url, prompts[i]), range(len(prompts) + 1))
+    return {"seeded": outs[:-1], "greedy": outs[-1]}
+
+
+@pytest.fixture(scope="module")
+def samples(batch) -> list[dict]:
+    return batch["seeded"]
 
 
 def test_honest_seeded_responses_verify(toploc_server, samples) -> None:
@@ -68,27 +83,35 @@ def test_honest_seeded_responses_verify(toploc_server, samples) -> None:
         assert not any("seeded" in reason for reason in report["verdict_reasons"]), report
 
 
-@pytest.mark.parametrize("claim,within", [
-    ({"temperature": 1.0, "top_p": 0.9, "sampling_seed": SEED}, 3),
-    # top_p 1.0 vs 0.9 differs only where the cut tail wins a draw: 5 of these 6 responses fail
-    ({"temperature": 0.7, "top_p": 1.0, "sampling_seed": SEED}, 6),
-    ({"temperature": 0.7, "top_p": 0.9, "sampling_seed": SEED + 1}, 3),
-], ids=["temperature", "top_p", "seed"])
-def test_other_claims_fail(toploc_server, samples, claim, within) -> None:
-    reports = pmap(lambda s: _verify(toploc_server.url, s, **claim), samples)
-    failed = [not r["seeded_consistent"] for r in reports]
-    counts = [(r["seeded_mismatches"], r["seeded_checked"]) for r in reports]
-    record("seeded_other_claim", claim=claim, responses=len(reports), failed=sum(failed), counts=counts)
-    evidence = BandEvidence()
-    for report in reports:
-        evidence.add(band_of_report(report))
-    record("seeded_other_claim_rejected_at", claim=claim, response=evidence.rejected_at)
-    assert evidence.rejected and evidence.rejected_at <= within, counts
-    for report, bad in zip(reports, failed):
-        assert report["verified"] is (False if bad else report["verified"])
-        if bad:
-            assert report["verdict"] == "fail"
-            assert any("expect_seeded" in reason for reason in report["verdict_reasons"]), report
+# (claim, how many responses it is checked on, within how many of them the worker is rejected).
+# temperature 1.0 and seed + 1 are rejected at the 2nd response; top_p 1.0 vs 0.9 differs only
+# where the cut tail wins a draw: 5 of these 6 responses fail, the worker at the 4th
+OTHER_CLAIMS = {
+    "temperature": ({"temperature": 1.0, "top_p": 0.9, "sampling_seed": SEED}, 3, 3),
+    "top_p": ({"temperature": 0.7, "top_p": 1.0, "sampling_seed": SEED}, 6, 6),
+    "seed": ({"temperature": 0.7, "top_p": 0.9, "sampling_seed": SEED + 1}, 3, 3),
+}
+
+
+def test_other_claims_fail(toploc_server, samples) -> None:
+    """Every other claim's verifications go as one batch."""
+    jobs = [(name, sample) for name, (_, responses, _) in OTHER_CLAIMS.items() for sample in samples[:responses]]
+    results = pmap(lambda job: _verify(toploc_server.url, job[1], **OTHER_CLAIMS[job[0]][0]), jobs, workers=len(jobs))
+    for name, (claim, _, within) in OTHER_CLAIMS.items():
+        reports = [report for (job_name, _), report in zip(jobs, results) if job_name == name]
+        failed = [not r["seeded_consistent"] for r in reports]
+        counts = [(r["seeded_mismatches"], r["seeded_checked"]) for r in reports]
+        record("seeded_other_claim", claim=claim, responses=len(reports), failed=sum(failed), counts=counts)
+        evidence = BandEvidence()
+        for report in reports:
+            evidence.add(band_of_report(report))
+        record("seeded_other_claim_rejected_at", claim=claim, response=evidence.rejected_at)
+        assert evidence.rejected and evidence.rejected_at <= within, (name, counts)
+        for report, bad in zip(reports, failed):
+            assert report["verified"] is (False if bad else report["verified"])
+            if bad:
+                assert report["verdict"] == "fail"
+                assert any("expect_seeded" in reason for reason in report["verdict_reasons"]), report
 
 
 def test_sglang_rl_verify_checks_seeded_claims(toploc_server, samples, tmp_path: Path) -> None:
@@ -116,22 +139,14 @@ def test_sglang_rl_verify_checks_seeded_claims(toploc_server, samples, tmp_path:
 
 
 def test_a_seeded_draw_does_not_depend_on_its_batch(toploc_server, prompts, samples) -> None:
-    alone = _generate(toploc_server.url, prompts[0])
-    assert alone["output_ids"] == samples[0]["output_ids"]
+    """The first tokens of a response, drawn alone, are those drawn in the batch."""
+    alone = _generate(toploc_server.url, prompts[0], max_new_tokens=ALONE_TOKENS)
+    assert alone["output_ids"] == samples[0]["output_ids"][:ALONE_TOKENS]
 
 
-def test_requests_without_the_field_get_sglangs_answer(toploc_server, plain_server, prompts) -> None:
-    def greedy(url: str) -> dict:
-        resp = post(url, "/generate", {"input_ids": prompts[1],
-                                        "sampling_params": {"max_new_tokens": 16, "temperature": 0.0}})
-        assert resp.status_code == 200, resp.text
-        return resp.json()
-
-    # the greedy request runs next to seeded ones (same batches) and stays sglang's
-    mixed = pmap(lambda i: greedy(toploc_server.url) if i == 0 else _generate(toploc_server.url, prompts[i]),
-                 range(4))
-    reference = greedy(plain_server.url)
-    assert mixed[0]["text"] == reference["text"]
+def test_requests_without_the_field_get_sglangs_answer(batch, plain_server) -> None:
+    """The greedy request that ran next to the seeded ones stays sglang's."""
+    assert batch["greedy"]["text"] == _greedy(plain_server.url, batch["seeded"][1]["prompt"])["text"]
 
 
 @pytest.mark.parametrize("body,reason", [

@@ -67,9 +67,9 @@ def honest(toploc_server, tokenizer) -> list[dict]:
                                    temperature=(0.0, 0.7)[i % 2]))
         for i, q in enumerate(questions)
     ]
-    samples = [s for group in pmap(lambda job: job(), jobs) for s in group]
+    samples = [s for group in pmap(lambda job: job(), jobs, workers=len(jobs)) for s in group]
     # sanity: every honest sample verifies on the honest server, in the exact-token form
-    reports = pmap(lambda s: verify_sample(url, s, "tokens"), samples)
+    reports = pmap(lambda s: verify_sample(url, s, "tokens"), samples, workers=len(samples))
     assert all(r["verified"] for r in reports), [stats(r) for r in reports]
     for s, r in zip(samples, reports):
         s["honest_report"] = r

@@ -3,8 +3,9 @@
 The oracle is the same CPU server with the plugin disabled (`disabled_server`: `SGLANG_PLUGINS`
 names only the CPU stand-in's own plugin). Every case goes to it and to two servers with the
 plugin loaded, all with the same flags (`--enable-return-hidden-states --disable-radix-cache`):
-one with no plugin feature on (`hs_noradix_server`) and one with `--toploc-verification`, whose
-fingerprints (asked for by that flag) are the only field it may add. A case that sets plugin
+one with no plugin feature on (`hs_noradix_server`) and one with `--toploc-verification` (and a
+calibration file, test_toploc_calibration.py), whose fingerprints (asked for by that flag) are the
+only field it may add. A case that sets plugin
 fields is sent to the oracle without them, and only the fields they ask for may differ. Greedy
 decoding and no radix cache keep both sides deterministic; the comparison is exact.
 """
@@ -13,8 +14,8 @@ from __future__ import annotations
 
 import pytest
 
-from differential import Case, compare
-from e2e_servers import Server, Spec, server_fixture
+from differential import DIFFERENTIAL_TOPLOC, Case, compare
+from e2e_servers import Server, server_fixture
 from hidden_states_fixtures import HS_NORADIX
 
 FLAGS = HS_NORADIX.args  # the flags of all three servers
@@ -114,8 +115,7 @@ PLUGIN_CASES = [
 ]
 
 
-TOPLOC = Spec("differential-toploc", (*FLAGS, "--toploc-verification"))
-differential_toploc_server = server_fixture(TOPLOC, scope="module")
+differential_toploc_server = server_fixture(DIFFERENTIAL_TOPLOC, scope="module")
 
 
 @pytest.fixture(scope="module")

@@ -148,3 +148,37 @@ def test_feature_noise_flag_reaches_the_trainer_config(tmp_path) -> None:
     assert config_from_args(RLServerArgs(**common)).feature_noise == 0.0
     with pytest.raises(ValueError, match="feature_noise must be in"):
         config_from_args(RLServerArgs(**common, drafter_cotrain_feature_noise=-1.0))
+
+
+@pytest.mark.parametrize("change, reason", [
+    ({"speculative_algorithm": None}, "--speculative-algorithm EAGLE"),
+    ({"drafter_cotrain_lr": 5.0}, r"lr must be in \(0, 1\)"),
+    ({"drafter_cotrain_samples_per_round": 0}, "samples_per_round must be a positive"),
+    ({"drafter_cotrain_trainer": "127.0.0.1:1"}, "drafter trainer at 127.0.0.1:1 does not answer"),
+])
+def test_bad_cotrain_options_are_refused(tmp_path, change: dict, reason: str) -> None:
+    """What launch_server refuses at start (test/e2e/test_drafter_cotrain.py starts one such server)."""
+    common = _cotrain_args(tmp_path)
+    assert RLServerArgs(**common).drafter_cotrain  # the same options, without the bad one, are served
+    with pytest.raises(ValueError, match=reason):
+        RLServerArgs(**{**common, **change})
+
+
+def test_a_bad_calibration_file_is_refused_with_the_reason(tmp_path, monkeypatch) -> None:
+    """The command line as `sglang.launch_server` reads it with the plugin loaded (which puts
+    RLServerArgs in the place of sglang's ServerArgs): a calibration file of another format
+    version stops the server before anything starts, naming both versions."""
+    import argparse
+    import json
+
+    import sglang.srt.server_args as sglang_server_args
+
+    bad = tmp_path / "cal.json"
+    bad.write_text(json.dumps({"format": "sglang-rl-toploc-calibration", "version": 9}))
+    monkeypatch.setattr(sglang_server_args, "ServerArgs", RLServerArgs)
+    parser = argparse.ArgumentParser()
+    sglang_server_args.ServerArgs.add_cli_args(parser)
+    args = parser.parse_args(["--model-path", "unused", "--device", "cpu", "--toploc-verification",
+                              "--toploc-verification-calibration", str(bad)])
+    with pytest.raises(ValueError, match="calibration version 9, this sglang-rl reads version 1"):
+        sglang_server_args.ServerArgs.from_cli_args(args)
