@@ -63,10 +63,11 @@ def module_rank(keys: set) -> int:
 
 
 def module_order(needs: dict) -> list:
-    """The modules (dict order = file order) grouped by rank (`module_rank`); within a group, the
-    users of a few-shared server run together, last in their group when that server's other users
-    come in a later group, which then starts with them (so the server is up for adjacent modules,
-    not for all the modules between)."""
+    """The modules (dict order = file order) grouped by rank (`module_rank`); a module that needs
+    none of SHARED_FIRST joins the group of the modules it shares a few-shared server with. Within a
+    group, the users of a few-shared server run together, last in their group when that server's
+    other users come in a later group, which then starts with them (so the server is up for
+    adjacent modules, not for all the modules between)."""
     paths = list(needs)
     users: dict = {}
     for path in paths:
@@ -74,7 +75,7 @@ def module_order(needs: dict) -> list:
             users.setdefault(key, []).append(path)
     few = {key: group for key, group in users.items() if 1 < len(group) <= FEW_USERS}
     rank = {path: module_rank(needs[path]) for path in paths}
-    for path in paths:  # a module that needs none of SHARED_FIRST runs in the group of its few-shared partners
+    for path in paths:
         if rank[path] == len(SHARED_FIRST):
             rank[path] = min([rank[other] for key in few if path in few[key] for other in few[key]] + [rank[path]])
 
