@@ -163,6 +163,22 @@ disabled_server = server_fixture(DISABLED, doc="sglang alone, the oracle: the pl
 # the reference
 
 
+_models: dict[str, Any] = {}
+_models_lock = threading.Lock()
+
+
+def float32_model(model_path: str) -> Any:
+    """The float32 AutoModelForCausalLM of `model_path`, loaded once per process (the hidden-state
+    reference and the k-CBS oracle of kcbs_helpers read the same weights)."""
+    with _models_lock:
+        if model_path not in _models:
+            from transformers import AutoModelForCausalLM
+
+            torch.set_num_threads(1)
+            _models[model_path] = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        return _models[model_path]
+
+
 class HFReference:
     """float32 transformers forward, cached per token sequence.
 
@@ -171,10 +187,10 @@ class HFReference:
     computed reuses its rows (causal attention: the row at p depends on tokens 0..p only)."""
 
     def __init__(self, model_path: str) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         torch.set_num_threads(1)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        self.model = float32_model(model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.hidden = self.model.config.hidden_size
         self._cache: dict[tuple, torch.Tensor] = {}

@@ -4,7 +4,8 @@
   `plain_server`, the same flags; its radix cache emptied when a module takes it), started ahead
   by the pool or, in a run of one module, in the background so that the HF reference is computed
   while it boots;
-- the HF oracle: `kcbs_reference` on a float32 AutoModelForCausalLM, with the model's forwards
+- the HF oracle: `kcbs_reference` on a float32 AutoModelForCausalLM (hidden_states_fixtures'
+  copy, loaded once per process), with the model's forwards
   memoised by exact token ids (the reference re-runs prompt + beam for every beam of every step,
   and cases that share a prompt share most of those forwards; the memo returns exactly what the
   model returned, so results are those of the plain reference);
@@ -134,11 +135,13 @@ def oracle(model_path: str) -> dict:
     with _lock:
         if not _oracle:
             import torch
-            from transformers import AutoModelForCausalLM, AutoTokenizer
+            from transformers import AutoTokenizer
+
+            from hidden_states_fixtures import float32_model
 
             torch.set_num_threads(1)  # tiny forwards on a busy shared CPU: one thread is fastest
             tokenizer = AutoTokenizer.from_pretrained(model_path)
-            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+            model = float32_model(model_path)  # one copy per process, the hidden-state reference's too
             eos = {int(tokenizer.eos_token_id)}
             config_eos = model.config.eos_token_id
             gen_eos = getattr(model.generation_config, "eos_token_id", None)

@@ -18,10 +18,10 @@ from e2e_servers import Server
 from hidden_states_fixtures import check_response, generate, hs_fields, post
 
 PROMPTS = [
-    ("A short note on bees, number 3:", 12),
-    ("Tell me about cats.", 5),
-    ("One, two, three, four,", 20),
-    ("The capital of France", 9),
+    ("A short note on bees, number 3:", 6),
+    ("Tell me about cats.", 3),
+    ("One, two, three, four,", 9),
+    ("The capital of France", 4),
 ]
 
 
@@ -47,7 +47,7 @@ def samples(hs_server: Server) -> list[dict]:
 
 @pytest.mark.parametrize("fmt", ["base64", "list"])
 def test_final_row_does_not_enter_the_fingerprint(hs_server: Server, hf, fmt: str) -> None:
-    out = generate(hs_server.url, PROMPTS[0][0], 12,
+    out = generate(hs_server.url, PROMPTS[0][0], PROMPTS[0][1],
                    fields=hs_fields(True, fmt, "all", None, True))
     meta = out["meta_info"]
     check_response(hf, meta, mode=True, fmt=fmt, scope="all", final=True, what="final row + TOPLOC")

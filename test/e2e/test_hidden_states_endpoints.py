@@ -4,6 +4,7 @@ streamed), streamed /generate and batched /generate; and no rows where none were
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
@@ -45,15 +46,20 @@ def test_openai_chat_and_completions(hs_server, hf) -> None:
         ("completions", "list", "last", "all", None, False),
         ("completions", "list", True, "all", None, True),
     ]
-    diffs = {}
-    for endpoint, fmt, mode, scope, last_n, final in cases:
+
+    def send(case):
+        endpoint, fmt, mode, scope, last_n, final = case
         fields = {**hs_fields(mode, fmt, scope, last_n, final), **_ids()}
         if endpoint == "chat":
             body = {"model": "default", "messages": CHAT, "max_tokens": 12, "temperature": 0, **fields}
-            target = _post(url, "/v1/chat/completions", body).json()["choices"][0]["message"]
-        else:
-            body = {"model": "default", "prompt": SHORT_PROMPT, "max_tokens": 10, "temperature": 0, **fields}
-            target = _post(url, "/v1/completions", body).json()["choices"][0]
+            return _post(url, "/v1/chat/completions", body).json()["choices"][0]["message"]
+        body = {"model": "default", "prompt": SHORT_PROMPT, "max_tokens": 10, "temperature": 0, **fields}
+        return _post(url, "/v1/completions", body).json()["choices"][0]
+
+    with ThreadPoolExecutor(len(cases)) as pool:
+        targets = list(pool.map(send, cases))
+    diffs = {}
+    for (endpoint, fmt, mode, scope, last_n, final), target in zip(cases, targets):
         what = f"{endpoint} {fmt} {mode} {scope} {last_n} final={final}"
         diffs[what] = check_response(hf, target, mode=mode, fmt=fmt, scope=scope, last_n=last_n, final=final,
                                      what=what)
@@ -63,11 +69,14 @@ def test_openai_chat_and_completions(hs_server, hf) -> None:
 def test_openai_n2_sampling_each_choice_gets_its_own_rows(hs_server, hf) -> None:
     url = hs_server.url
     fields = {**hs_fields(True, "base64", "all"), **_ids()}
-    body = {"model": "default", "prompt": SHORT_PROMPT, "max_tokens": 8, "temperature": 1.0, "n": 2, **fields}
-    choices = _post(url, "/v1/completions", body).json()["choices"]
-    body = {"model": "default", "messages": CHAT, "max_tokens": 8, "temperature": 1.0, "n": 2,
+    completions = {"model": "default", "prompt": SHORT_PROMPT, "max_tokens": 8, "temperature": 1.0, "n": 2, **fields}
+    chat = {"model": "default", "messages": CHAT, "max_tokens": 8, "temperature": 1.0, "n": 2,
             **{**fields, **hs_fields("last", "list", "response")}}
-    messages = [c["message"] for c in _post(url, "/v1/chat/completions", body).json()["choices"]]
+    with ThreadPoolExecutor(2) as pool:
+        done = [pool.submit(_post, url, "/v1/completions", completions),
+                pool.submit(_post, url, "/v1/chat/completions", chat)]
+        choices = done[0].result().json()["choices"]
+        messages = [c["message"] for c in done[1].result().json()["choices"]]
     assert len(choices) == 2 and len(messages) == 2
     for i, target in enumerate(choices):
         check_response(hf, target, mode=True, fmt="base64", scope="all", what=f"completions n=2 choice {i}")
@@ -95,26 +104,27 @@ def test_parallel_sampling_with_the_final_row(hs_server, hf) -> None:
 
 def test_streamed_generate_chat_and_completions(hs_server, hf) -> None:
     url = hs_server.url
-    body = {"text": SHORT_PROMPT, "stream": True, "sampling_params": {"max_new_tokens": 8, "temperature": 0},
-            **_ids(), **hs_fields(True, "list", "all", None, True)}
-    events = _events(_post(url, "/generate", body, stream=True))
+    generate_body = {"text": SHORT_PROMPT, "stream": True, "sampling_params": {"max_new_tokens": 8, "temperature": 0},
+                     **_ids(), **hs_fields(True, "list", "all", None, True)}
+    chat_body = {"model": "default", "messages": CHAT, "max_tokens": 12, "temperature": 0, "stream": True,
+                 **_ids(), **hs_fields(True, "base64", "response", None, True)}
+    completions_body = {"model": "default", "prompt": SHORT_PROMPT, "max_tokens": 8, "temperature": 0, "stream": True,
+                        **_ids(), **hs_fields("last", "base64", "all")}
+    streams = (("/generate", generate_body), ("/v1/chat/completions", chat_body), ("/v1/completions", completions_body))
+    with ThreadPoolExecutor(len(streams)) as pool:  # the three streams at once, read to their ends
+        events, chat_events, completions_events = pool.map(lambda s: _events(_post(url, *s, stream=True)), streams)
+
     assert events and events[-1]["meta_info"]["finish_reason"] is not None
     assert not any("hidden_states_rows" in e["meta_info"] for e in events[:-1]), "rows before the last event"
     check_response(hf, events[-1]["meta_info"], mode=True, fmt="list", scope="all", final=True,
                    what="streamed /generate")
 
-    fields = {**_ids(), **hs_fields(True, "base64", "response", None, True)}
-    body = {"model": "default", "messages": CHAT, "max_tokens": 12, "temperature": 0, "stream": True, **fields}
-    finals = [c for e in _events(_post(url, "/v1/chat/completions", body, stream=True)) for c in e["choices"]
-              if c.get("finish_reason")]
+    finals = [c for e in chat_events for c in e["choices"] if c.get("finish_reason")]
     assert len(finals) == 1, finals
     check_response(hf, finals[0]["delta"], mode=True, fmt="base64", scope="response", final=True,
                    what="streamed chat")
 
-    body = {"model": "default", "prompt": SHORT_PROMPT, "max_tokens": 8, "temperature": 0, "stream": True,
-            **_ids(), **hs_fields("last", "base64", "all")}
-    finals = [c for e in _events(_post(url, "/v1/completions", body, stream=True)) for c in e["choices"]
-              if c.get("finish_reason")]
+    finals = [c for e in completions_events for c in e["choices"] if c.get("finish_reason")]
     assert len(finals) == 1, finals
     check_response(hf, finals[0], mode="last", fmt="base64", scope="all", what="streamed completions")
 

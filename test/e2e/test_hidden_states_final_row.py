@@ -4,6 +4,8 @@ by EOS or by max_tokens, and asking for it changes nothing else in the response.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import requests
 
@@ -49,7 +51,14 @@ def test_final_row_matches_hf_and_changes_nothing_else(request, hf, which: str, 
         max_new = 24
     else:
         prompt, max_new = SHORT_PROMPT, 12
-    plain = generate(url, prompt, max_new)
+    # every variant in flight at once: they share the server's batches (one decode step serves all)
+    variants = [(fmt, mode, scope, 4 if scope == "last_n" else None, final)
+                for fmt, mode, scope in FINAL_CASES for final in (True, False)]
+    with ThreadPoolExecutor(len(variants) + 1) as pool:
+        plain_job = pool.submit(generate, url, prompt, max_new)
+        outs = list(pool.map(lambda v: generate(url, prompt, max_new, fields=hs_fields(v[1], v[0], v[2], v[3], v[4])),
+                             variants))
+        plain = plain_job.result()
     pmeta = plain["meta_info"]
     if stop == "eos":
         assert finish_type(pmeta["finish_reason"]) == "stop" and pmeta["finish_reason"].get("matched") == EOS_ID, \
@@ -60,20 +69,17 @@ def test_final_row_matches_hf_and_changes_nothing_else(request, hf, which: str, 
             pmeta["finish_reason"]
 
     diffs = {}
-    for fmt, mode, scope in FINAL_CASES:
-        last_n = 4 if scope == "last_n" else None
-        for final in (True, False):
-            out = generate(url, prompt, max_new, fields=hs_fields(mode, fmt, scope, last_n, final))
-            meta = out["meta_info"]
-            what = f"{which} {stop} {fmt} {mode} {scope} final={final}"
-            assert out["text"] == plain["text"], f"{what}: text {out['text']!r} != {plain['text']!r}"
-            for key in SAME_KEYS:
-                assert meta[key] == pmeta[key], f"{what}: {key} {meta[key]!r} != {pmeta[key]!r}"
-            diffs[what] = check_response(hf, meta, mode=mode, fmt=fmt, scope=scope, last_n=last_n, final=final,
-                                         what=what)
-            rows, pos = rows_of(meta, fmt)
-            total = len(meta["input_ids"]) + len(meta["output_ids"])
-            assert pos[-1] == (total - 1 if final else total - 2), (what, pos[-1], total)
+    for (fmt, mode, scope, last_n, final), out in zip(variants, outs):
+        meta = out["meta_info"]
+        what = f"{which} {stop} {fmt} {mode} {scope} final={final}"
+        assert out["text"] == plain["text"], f"{what}: text {out['text']!r} != {plain['text']!r}"
+        for key in SAME_KEYS:
+            assert meta[key] == pmeta[key], f"{what}: {key} {meta[key]!r} != {pmeta[key]!r}"
+        diffs[what] = check_response(hf, meta, mode=mode, fmt=fmt, scope=scope, last_n=last_n, final=final,
+                                     what=what)
+        rows, pos = rows_of(meta, fmt)
+        total = len(meta["input_ids"]) + len(meta["output_ids"])
+        assert pos[-1] == (total - 1 if final else total - 2), (what, pos[-1], total)
     report(f"final row {which} {stop}", n_output=len(pmeta["output_ids"]),
            **{k: f"{v:.1e}" for k, v in diffs.items()})
 
@@ -83,9 +89,10 @@ def test_final_row_through_openai_changes_nothing_else(hs_server, hf) -> None:
     messages = [{"role": "user", "content": EOS_QUESTION}]
     ids = {"return_input_ids": True, "return_output_ids": True}
     base = {"model": "default", "messages": messages, "max_tokens": 24, "temperature": 0, **ids}
-    plain = requests.post(url + "/v1/chat/completions", json=base, timeout=TIMEOUT).json()
-    with_final = requests.post(url + "/v1/chat/completions", timeout=TIMEOUT,
-                               json={**base, **hs_fields("last", "base64", "response", None, True)}).json()
+    bodies = (base, {**base, **hs_fields("last", "base64", "response", None, True)})
+    with ThreadPoolExecutor(2) as pool:
+        plain, with_final = pool.map(
+            lambda body: requests.post(url + "/v1/chat/completions", json=body, timeout=TIMEOUT).json(), bodies)
     p, f = plain["choices"][0], with_final["choices"][0]
     assert f["message"]["content"] == p["message"]["content"]
     assert f["finish_reason"] == p["finish_reason"] == "stop"
@@ -98,9 +105,10 @@ def test_final_row_through_openai_changes_nothing_else(hs_server, hf) -> None:
 def test_final_row_with_stop_strings_and_stop_tokens(hs_server, hf, stop: dict) -> None:
     """SHORT_PROMPT greedily continues " Paris.\\n\\nThe answer is ..."; token 504 is "The"."""
     url = hs_server.url
-    plain = generate(url, SHORT_PROMPT, 16, **stop)
+    with ThreadPoolExecutor(2) as pool:
+        plain, out = pool.map(lambda fields: generate(url, SHORT_PROMPT, 16, fields=fields, **stop),
+                              (None, hs_fields(True, "base64", "all", None, True)))
     assert finish_type(plain["meta_info"]["finish_reason"]) == "stop", plain["meta_info"]["finish_reason"]
-    out = generate(url, SHORT_PROMPT, 16, fields=hs_fields(True, "base64", "all", None, True), **stop)
     assert out["text"] == plain["text"]
     for key in SAME_KEYS:
         assert out["meta_info"][key] == plain["meta_info"][key], key

@@ -41,6 +41,10 @@ EXTRA = [
 ]
 
 
+MEDIUM_PROMPT = "A list of rivers: the red river, the blue river, the green river and the quiet river. " \
+                "Each one flows past an old mill, and the"
+
+
 def _run_matrix(url: str, hf, prompt: str, max_new_tokens: int, cases: list, label: str) -> None:
     def one(case):
         fmt, mode, scope, last_n, final = case
@@ -48,7 +52,7 @@ def _run_matrix(url: str, hf, prompt: str, max_new_tokens: int, cases: list, lab
         assert len(out["meta_info"]["output_ids"]) == max_new_tokens
         return case, out
 
-    with ThreadPoolExecutor(4) as pool:
+    with ThreadPoolExecutor(len(cases)) as pool:  # all in flight: they share prefill and decode batches
         results = list(pool.map(one, cases))
     diffs = {}
     for (fmt, mode, scope, last_n, final), out in results:
@@ -67,7 +71,8 @@ def test_every_scope_mode_and_format_radix_cache_and_chunked_prefill(hs_server, 
 
 
 def test_every_scope_mode_and_format_without_radix_cache(hs_noradix_server, hf) -> None:
-    _run_matrix(hs_noradix_server.url, hf, LONG_PROMPT, 6, MATRIX + EXTRA, "no-radix")
+    """Every prompt row is computed afresh here (no cache, one chunk): a prompt of ~40 tokens."""
+    _run_matrix(hs_noradix_server.url, hf, MEDIUM_PROMPT, 6, MATRIX + EXTRA, "no-radix")
 
 
 def test_repeated_prompt_still_has_every_prompt_row(hs_server, hf) -> None:
@@ -75,8 +80,8 @@ def test_repeated_prompt_still_has_every_prompt_row(hs_server, hf) -> None:
     requests, and every hidden-state request still gets all the rows its scope names."""
     url = hs_server.url
     prompt = "Radix cache check: the quick brown fox jumps over the lazy dog while the cat sleeps on the mat."
-    generate(url, prompt, 6)
-    again = generate(url, prompt, 6)
+    generate(url, prompt, 4)
+    again = generate(url, prompt, 4)
     prompt_len = len(again["meta_info"]["input_ids"])
     assert again["meta_info"]["cached_tokens"] >= prompt_len - 1, again["meta_info"]["cached_tokens"]
 
@@ -91,7 +96,7 @@ def test_repeated_prompt_still_has_every_prompt_row(hs_server, hf) -> None:
     ]
     cached = []
     for fmt, mode, scope, last_n, final in sequence:
-        out = generate(url, prompt, 6, ignore_eos=True, fields=hs_fields(mode, fmt, scope, last_n, final))
+        out = generate(url, prompt, 4, ignore_eos=True, fields=hs_fields(mode, fmt, scope, last_n, final))
         meta = out["meta_info"]
         cached.append(meta["cached_tokens"])
         check_response(hf, meta, mode=mode, fmt=fmt, scope=scope, last_n=last_n, final=final,
@@ -101,7 +106,7 @@ def test_repeated_prompt_still_has_every_prompt_row(hs_server, hf) -> None:
             assert pos[: prompt_len] == list(range(prompt_len)), pos
 
     # an extension of the cached prompt: prefix in the cache, rows of all of it still wanted
-    out = generate(url, prompt + " Then the dog wakes up.", 6, ignore_eos=True, fields=hs_fields(True, "base64", "all"))
+    out = generate(url, prompt + " Then the dog wakes up.", 4, ignore_eos=True, fields=hs_fields(True, "base64", "all"))
     check_response(hf, out["meta_info"], mode=True, fmt="base64", scope="all", what="extended prompt")
     report("radix repeats", prompt_len=prompt_len, plain_cached_tokens=again["meta_info"]["cached_tokens"],
            hs_cached_tokens=cached)
@@ -112,13 +117,13 @@ def test_chunked_prefill_with_a_cached_prefix(hs_server, hf) -> None:
     url = hs_server.url
     generate(url, LONG_PROMPT, 4)
     # last_n=150: the cache may serve only the first L-150 tokens; 150 rows over 3 chunks
-    out = generate(url, LONG_PROMPT, 6, ignore_eos=True, fields=hs_fields(True, "base64", "last_n", 150, True))
+    out = generate(url, LONG_PROMPT, 4, ignore_eos=True, fields=hs_fields(True, "base64", "last_n", 150, True))
     check_response(hf, out["meta_info"], mode=True, fmt="base64", scope="last_n", last_n=150, final=True,
                    what="chunked last_n=150")
     # a new suffix of ~90 tokens after the cached ~240: the suffix is prefilled in 2 chunks
     suffix = " " + " ".join(f"Note {i}: every chunk boundary must keep its rows in order." for i in range(7))
     for fmt, scope, last_n in (("list", "all", None), ("base64", "last_n", 120), ("base64", "response", None)):
-        out = generate(url, LONG_PROMPT + suffix, 5, ignore_eos=True, fields=hs_fields(True, fmt, scope, last_n))
+        out = generate(url, LONG_PROMPT + suffix, 3, ignore_eos=True, fields=hs_fields(True, fmt, scope, last_n))
         meta = out["meta_info"]
         assert len(meta["input_ids"]) > 300, len(meta["input_ids"])
         check_response(hf, meta, mode=True, fmt=fmt, scope=scope, last_n=last_n, what=f"chunked suffix {scope}")
@@ -126,23 +131,32 @@ def test_chunked_prefill_with_a_cached_prefix(hs_server, hf) -> None:
 
 def test_single_output_token(hs_server, hs_noradix_server, hf) -> None:
     """max_new_tokens=1: the only rows come from the prefill (and the final-row step)."""
-    for server in (hs_server, hs_noradix_server):
-        for fmt, mode, scope, final in (("base64", True, "response", False), ("list", True, "response", False),
-                                        ("base64", "last", "all", False), ("list", True, "all", True),
-                                        ("base64", "last", "response", True), ("list", "last", "response", False)):
-            out = generate(server.url, SHORT_PROMPT, 1, fields=hs_fields(mode, fmt, scope, None, final))
-            meta = out["meta_info"]
-            assert len(meta["output_ids"]) == 1
-            check_response(hf, meta, mode=mode, fmt=fmt, scope=scope, final=final,
-                           what=f"1 token {fmt} {mode} {scope} final={final}")
+    cases = (("base64", True, "response", False), ("list", True, "response", False), ("base64", "last", "all", False),
+             ("list", True, "all", True), ("base64", "last", "response", True), ("list", "last", "response", False))
+    jobs = [(server, case) for server in (hs_server, hs_noradix_server) for case in cases]
+
+    def one(job):
+        server, (fmt, mode, scope, final) = job
+        return generate(server.url, SHORT_PROMPT, 1, fields=hs_fields(mode, fmt, scope, None, final))
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        outs = list(pool.map(one, jobs))
+    for (server, (fmt, mode, scope, final)), out in zip(jobs, outs):
+        meta = out["meta_info"]
+        assert len(meta["output_ids"]) == 1
+        check_response(hf, meta, mode=mode, fmt=fmt, scope=scope, final=final,
+                       what=f"{server.key}: 1 token {fmt} {mode} {scope} final={final}")
+
+
+N_ROWS = 32
 
 
 def test_list_and_base64_are_identical_and_payload_sizes(hs_noradix_server, hf) -> None:
-    """The same 100-token generation in both formats: bit-identical rows; sizes printed."""
+    """The same N_ROWS-token generation in both formats: bit-identical rows; sizes printed."""
     url = hs_noradix_server.url
     outs, bodies = {}, {}
     for fmt in ("list", "base64"):
-        body = {"text": SHORT_PROMPT, "sampling_params": {"max_new_tokens": 100, "temperature": 0, "ignore_eos": True},
+        body = {"text": SHORT_PROMPT, "sampling_params": {"max_new_tokens": N_ROWS, "temperature": 0, "ignore_eos": True},
                 "return_input_ids": True, "return_output_ids": True,
                 **hs_fields(True, fmt, "response", None, True)}
         resp = requests.post(url + "/generate", json=body, timeout=TIMEOUT)
@@ -151,16 +165,16 @@ def test_list_and_base64_are_identical_and_payload_sizes(hs_noradix_server, hf) 
     assert outs["list"]["meta_info"]["output_ids"] == outs["base64"]["meta_info"]["output_ids"]
     rows_l, pos_l = rows_of(outs["list"]["meta_info"], "list")
     rows_b, pos_b = rows_of(outs["base64"]["meta_info"], "base64")
-    assert pos_l == pos_b and len(pos_l) == 100, (len(pos_l), len(pos_b))
+    assert pos_l == pos_b and len(pos_l) == N_ROWS, (len(pos_l), len(pos_b))
     assert torch.equal(rows_l, rows_b), (rows_l - rows_b).abs().max()
     check_response(hf, outs["base64"]["meta_info"], mode=True, fmt="base64", scope="response", final=True,
-                   what="100-token base64")
+                   what=f"{N_ROWS}-token base64")
     field_l = len(json.dumps(outs["list"]["meta_info"]["hidden_states_rows"]))
     field_b = len(json.dumps(outs["base64"]["meta_info"]["hidden_states_rows"]))
-    report("payload sizes for 100 rows x 576 float32 (scope response + final row)",
+    report(f"payload sizes for {N_ROWS} rows x {hf.hidden} float32 (scope response + final row)",
            list_field_bytes=field_l, base64_field_bytes=field_b,
            list_http_body_bytes=len(bodies["list"]), base64_http_body_bytes=len(bodies["base64"]),
-           raw_bytes=100 * 576 * 4, list_over_base64=round(field_l / field_b, 2))
+           raw_bytes=N_ROWS * hf.hidden * 4, list_over_base64=round(field_l / field_b, 2))
     assert field_b < field_l
 
 

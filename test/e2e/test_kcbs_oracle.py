@@ -57,11 +57,11 @@ CASES = [
     ("yes_no", 4, 4, False),
     ("five", 4, 4, False),
     ("roses", 8, 1, False),
-    ("sky", 8, 4, True),
-    ("math", 8, 4, False),
+    ("sky", 8, 1, True),
+    ("math", 8, 1, False),
     ("fish", 8, 4, False),
     ("earth", 8, 4, True),
-    ("two_plus_two", 8, 4, True),
+    ("two_plus_two", 1, 4, True),
     ("capital", 2, 4, False),
 ]
 
@@ -147,7 +147,7 @@ def test_k1_equals_greedy(run):
     """kcbs_beam_width=1 is greedy decoding: same tokens (EOS included) and text as a plain
     temperature-0 request of the same length, on text and chat prompts."""
     server, tok = run["server"], run["tok"]
-    names = ["count", "yes_no", "weather", "say_hi", "fib", "snow"]
+    names = ["count", "yes_no", "say_hi", "fib"]
     jobs = [("kcbs", n) for n in names] + [("greedy", n) for n in names]
 
     def one(job):

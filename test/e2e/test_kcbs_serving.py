@@ -62,14 +62,14 @@ def _mixed_jobs(tok) -> dict:
     return {
         "kcbs_chat": ("kcbs", kcbs_body(prompt_ids(tok, "say_hi"), 4, 6, False)),
         "kcbs_chat_twin": ("kcbs", kcbs_body(prompt_ids(tok, "say_hi"), 4, 6, False)),
-        "kcbs_count": ("kcbs", kcbs_body(prompt_ids(tok, "count"), 2, 10, True)),
+        "kcbs_count": ("kcbs", kcbs_body(prompt_ids(tok, "count"), 2, 6, True)),
         "kcbs_wide": ("kcbs", kcbs_body(prompt_ids(tok, "fox"), 8, 3, True)),
         "kcbs_default_T": ("kcbs", kcbs_body(prompt_ids(tok, "two_plus_two"), 3, None, False, max_new_tokens=5)),
-        "greedy_text": ("greedy", greedy_body(prompt_ids(tok, "capital"), 12)),
-        "greedy_chat": ("greedy", greedy_body(prompt_ids(tok, "two_plus_two"), 16)),
-        "stream": ("stream", greedy_body(prompt_ids(tok, "fox"), 12)),
+        "greedy_text": ("greedy", greedy_body(prompt_ids(tok, "capital"), 6)),
+        "greedy_chat": ("greedy", greedy_body(prompt_ids(tok, "two_plus_two"), 8)),
+        "stream": ("stream", greedy_body(prompt_ids(tok, "fox"), 6)),
         "chat_api": ("chat", {"model": "default", "messages": [{"role": "user", "content": CHAT_PROMPTS["animal"]}],
-                              "max_tokens": 10, "temperature": 0}),
+                              "max_tokens": 6, "temperature": 0}),
     }
 
 
@@ -239,12 +239,12 @@ def test_kv_usage_returns_after_kcbs_burst(server, tok):
     next to greedy ones; while it runs the pool is in use, afterwards usage is back to start."""
     base = _baseline(server.url)
     bodies = [
-        kcbs_body(prompt_ids(tok, "fox"), 32, 6, False),
-        kcbs_body(prompt_ids(tok, "numpy"), 16, 8, True),
-        kcbs_body(prompt_ids(tok, "five"), 8, 16, False),
-        kcbs_body(prompt_ids(tok, "count"), 5, 20, True),
-        greedy_body(prompt_ids(tok, "roses"), 24),
-        greedy_body(prompt_ids(tok, "bread"), 24),
+        kcbs_body(prompt_ids(tok, "fox"), 32, 3, False),
+        kcbs_body(prompt_ids(tok, "numpy"), 16, 4, True),
+        kcbs_body(prompt_ids(tok, "five"), 8, 8, False),
+        kcbs_body(prompt_ids(tok, "count"), 5, 10, True),
+        greedy_body(prompt_ids(tok, "roses"), 12),
+        greedy_body(prompt_ids(tok, "bread"), 12),
     ]
     seen: list[int] = []
     done = threading.Event()
