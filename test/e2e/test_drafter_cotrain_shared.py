@@ -25,6 +25,7 @@ from e2e_servers import EAGER, LOG_DIR, POOL, Prepared, ServerHandle, Spec, serv
 from test_drafter_cotrain import chat, draft_fc_rows, gsm8k, init_drafter, stats
 
 ROUND = 4
+MAX_TOKENS = 16  # per rollout: rows enough for a round
 FLAGS = ("--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
          "--speculative-num-draft-tokens", "4", "--drafter-cotrain")
 
@@ -115,7 +116,7 @@ def test_two_servers_share_one_trainer(shared: tuple) -> None:
     prompts = gsm8k()
     # two rounds' worth of rollouts, half on each server
     with ThreadPoolExecutor(4) as pool:
-        list(pool.map(lambda i: chat((a, b)[i % 2].url, prompts[i]), range(2 * ROUND)))
+        list(pool.map(lambda i: chat((a, b)[i % 2].url, prompts[i], max_tokens=MAX_TOKENS), range(2 * ROUND)))
 
     def settled() -> tuple | None:
         sa, sb = stats(a.url), stats(b.url)
@@ -135,7 +136,7 @@ def test_two_servers_share_one_trainer(shared: tuple) -> None:
     for server, s in ((a, sa), (b, sb)):
         dead = _wait(lambda: (lambda x: x if not x["trainer_alive"] else None)(stats(server.url)), "trainer_alive false", 60)
         assert any("connection lost" in e for e in dead["errors"]), dead["errors"]
-        out = chat(server.url, prompts[300])  # still serving, with the last draft
+        out = chat(server.url, prompts[300], max_tokens=MAX_TOKENS)  # still serving, with the last draft
         assert out["choices"][0]["message"]["content"]
         after = stats(server.url)
         assert after["rounds"] == s["rounds"] and after["loss"] == s["loss"] and not after["trainer_alive"]

@@ -22,6 +22,8 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
+
 from e2e_servers import EAGER, Prepared, Server, Spec, server_fixture
 from hidden_states_fixtures import check_rows_of_accepted_drafts, generate
 from speculative_prompts import MAX_NEW, PROMPTS, REPEATING
@@ -87,10 +89,18 @@ def _all_at_once(url: str) -> list[dict]:
         return list(pool.map(lambda prompt: generate(url, prompt, MAX_NEW), PROMPTS))
 
 
-def test_greedy_ids_equal_the_plain_server(eagle3_server: Server, plain_server: Server, tokenizer) -> None:
-    """Prompts sent together: the plain server's ids and finish reasons, every request verified by
-    EAGLE3 steps, and on the repeating prompt drafts (mapped through d2t) accepted."""
-    eagle3, plain = _all_at_once(eagle3_server.url), _all_at_once(plain_server.url)
+@pytest.fixture(scope="module")
+def answers(eagle3_server: Server, toploc_server: Server) -> tuple[list[dict], list[dict]]:
+    """The prompts sent together to this server and to the `toploc` server (no speculative
+    decoding): the greedy and the fingerprint tests read the same answers."""
+    return _all_at_once(eagle3_server.url), _all_at_once(toploc_server.url)
+
+
+def test_greedy_ids_equal_the_plain_server(answers: tuple, tokenizer) -> None:
+    """Prompts sent together: the ids and finish reasons of a server without speculative
+    decoding, every request verified by EAGLE3 steps, and on the repeating prompt drafts (mapped
+    through d2t) accepted."""
+    eagle3, plain = answers
     for prompt, got, want in zip(PROMPTS, eagle3, plain):
         meta = got["meta_info"]
         assert meta["output_ids"] == want["meta_info"]["output_ids"], prompt
@@ -112,14 +122,14 @@ def test_hidden_state_rows_are_the_last_layers(eagle3_server: Server, hf) -> Non
     check_rows_of_accepted_drafts(eagle3_server.url, hf, REPEATING, "eagle3")
 
 
-def test_fingerprints_under_eagle3_verify_without_speculative_decoding(eagle3_server: Server,
-                                                                       toploc_server: Server) -> None:
+def test_fingerprints_under_eagle3_verify_without_speculative_decoding(eagle3_server: Server, toploc_server: Server,
+                                                                       answers: tuple) -> None:
     """Batched EAGLE3 generations (draft chains accepted on the repeating prompt) verify on the
     plain TOPLOC server, and that server's generations verify on the EAGLE3 server."""
-    eagle3 = [out["meta_info"] for out in _all_at_once(eagle3_server.url)]
+    eagle3 = [out["meta_info"] for out in answers[0]]
     assert eagle3[0]["spec_verify_ct"] * 2 <= eagle3[0]["completion_tokens"], eagle3[0]
     assert_fingerprints_verify(toploc_server.url, eagle3)
-    assert_fingerprints_verify(eagle3_server.url, [out["meta_info"] for out in _all_at_once(toploc_server.url)])
+    assert_fingerprints_verify(eagle3_server.url, [out["meta_info"] for out in answers[1]])
 
 
 def _exported(folder: Path, ids: list[int], timeout: float = 60) -> dict:

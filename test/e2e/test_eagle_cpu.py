@@ -23,6 +23,7 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
 import requests
 import torch
 from safetensors.torch import load_file, save_file
@@ -91,10 +92,17 @@ def _all_at_once(url: str) -> list[dict]:
         return list(pool.map(lambda prompt: generate(url, prompt, MAX_NEW), PROMPTS))
 
 
-def test_greedy_ids_equal_the_plain_server(eagle_server: Server, plain_server: Server) -> None:
+@pytest.fixture(scope="module")
+def answers(eagle_server: Server, toploc_server: Server) -> tuple[list[dict], list[dict]]:
+    """The prompts sent together to this server and to the `toploc` server (no speculative
+    decoding): the greedy and the fingerprint tests read the same answers."""
+    return _all_at_once(eagle_server.url), _all_at_once(toploc_server.url)
+
+
+def test_greedy_ids_equal_the_plain_server(answers: tuple) -> None:
     """Prompts sent together: the same ids and finish reasons as without speculative decoding,
     every request went through verify steps, and the repeating one got whole chains accepted."""
-    eagle, plain = _all_at_once(eagle_server.url), _all_at_once(plain_server.url)
+    eagle, plain = answers
     for prompt, got, want in zip(PROMPTS, eagle, plain):
         meta = got["meta_info"]
         assert meta["output_ids"] == want["meta_info"]["output_ids"], prompt
@@ -147,11 +155,11 @@ def test_hidden_state_rows_under_eagle(eagle_server: Server, hf) -> None:
     check_rows_of_accepted_drafts(eagle_server.url, hf, REPEATING, "eagle")
 
 
-def test_fingerprints_under_eagle_verify_without_speculative_decoding(eagle_server: Server,
-                                                                      toploc_server: Server) -> None:
+def test_fingerprints_under_eagle_verify_without_speculative_decoding(eagle_server: Server, toploc_server: Server,
+                                                                      answers: tuple) -> None:
     """Batched EAGLE generations (whole draft chains accepted for the repeating prompt) verify on
     the plain TOPLOC server, and that server's generations verify on the EAGLE server."""
-    eagle = [out["meta_info"] for out in _all_at_once(eagle_server.url)]
+    eagle = [out["meta_info"] for out in answers[0]]
     assert eagle[0]["spec_verify_ct"] * 2 <= eagle[0]["completion_tokens"], eagle[0]
     assert_fingerprints_verify(toploc_server.url, eagle)
-    assert_fingerprints_verify(eagle_server.url, [out["meta_info"] for out in _all_at_once(toploc_server.url)])
+    assert_fingerprints_verify(eagle_server.url, [out["meta_info"] for out in answers[1]])
