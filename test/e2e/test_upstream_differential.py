@@ -30,17 +30,17 @@ ROWS = ("hidden_states_format", "hidden_states_scope")
 
 
 def _generate(name: str, **body) -> Case:
-    return Case(name, "/generate", {"text": PROMPT, "sampling_params": {"max_new_tokens": 8, **GREEDY}, **body})
+    return Case(name, "/generate", {"text": PROMPT, "sampling_params": {"max_new_tokens": 4, **GREEDY}, **body})
 
 
 def _completion(name: str, plugin_fields: tuple = (), replaced: tuple = (), **body) -> Case:
-    return Case(name, "/v1/completions", {"model": "default", "prompt": PROMPT, "max_tokens": 8, **GREEDY, **body},
+    return Case(name, "/v1/completions", {"model": "default", "prompt": PROMPT, "max_tokens": 4, **GREEDY, **body},
                 plugin_fields, replaced)
 
 
 def _chat(name: str, plugin_fields: tuple = (), replaced: tuple = (), **body) -> Case:
     return Case(name, "/v1/chat/completions",
-                {"model": "default", "messages": CHAT, "max_tokens": 10, **GREEDY, **body}, plugin_fields, replaced)
+                {"model": "default", "messages": CHAT, "max_tokens": 5, **GREEDY, **body}, plugin_fields, replaced)
 
 
 UPSTREAM_CASES = [
