@@ -20,7 +20,7 @@ import torch
 from e2e_servers import EAGER, POOL, Prepared, Server, Spec, server_fixture
 
 STEPS = 3  # --speculative-num-steps: draft tokens per chain
-NEW_TOKENS = 40
+NEW_TOKENS = 24
 PROMPTS = [
     "Question: A farmer has 12 cows and buys 5 more. How many cows does he have?\nAnswer:",
     "Write a short poem about the sea.",
