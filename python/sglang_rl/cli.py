@@ -25,6 +25,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "audit": ("sglang_rl.integrations.verl.audit", "verify a sample of a verl run's rollouts on a verifier server"),
 }
 
+# a subcommand's word that another module serves: (command, word) -> (module, function(argv) -> exit code);
+# routed here so that the drafter package does not import the widen package, which imports it
+ROUTES: dict[tuple[str, str], tuple[str, str]] = {
+    ("drafter", "widen"): ("sglang_rl.widen.cli", "drafter_main"),
+}
+
 
 def _usage() -> str:
     width = max(len(name) for name in COMMANDS)
@@ -49,6 +55,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"sglang-rl: error: unknown command {name!r} (one of: {', '.join(COMMANDS)})", file=sys.stderr)
         return 2
     sys.argv[0] = f"sglang-rl {name}"  # argparse names the program after argv[0] in usage and errors
+    if (name, rest[0] if rest else None) in ROUTES:
+        module, function = ROUTES[(name, rest[0])]
+        return int(getattr(importlib.import_module(module), function)(rest[1:]) or 0)
     code = command_main(name)(rest)
     return int(code or 0)
 

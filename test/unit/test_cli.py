@@ -57,3 +57,12 @@ def test_model_prints_the_default_model_folder(model_path: str) -> None:
     res = run("model")
     assert res.returncode == 0 and res.stdout.strip() == model_path, res.stdout + res.stderr
     assert (Path(res.stdout.strip()) / "config.json").is_file()
+
+
+def test_drafter_widen_is_routed_to_the_widen_package(capsys) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["drafter", "widen", "--help"])
+    out = capsys.readouterr().out
+    assert exited.value.code == 0 and "usage: sglang-rl drafter widen" in out and "--drafter-path" in out, out
+    assert main(["drafter", "widen", "--drafter-path", "/nonexistent", "--model-path", "/nonexistent",
+                 "--out", "/tmp/unused"]) == 2

@@ -42,7 +42,7 @@ def _parser() -> ArgumentParser:
         "through the target's final norm and head)",
     )
     _trainer_parser(sub)
-    # flags parsed by sglang_rl.widen.cli.drafter_main (see main)
+    # listed for --help; `sglang-rl drafter widen` runs sglang_rl.widen.cli.drafter_main (sglang_rl.cli.ROUTES)
     sub.add_parser("widen", add_help=False,
                    help="map a drafter of a small model to the model widened by `sglang-rl model --out`")
     return parser
@@ -126,11 +126,10 @@ def _init_eagle3(args) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the process exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["widen"]:
-        from sglang_rl.widen.cli import drafter_main
-
-        return drafter_main(argv[1:])
     args = _parser().parse_args(argv)
+    if args.command == "widen":  # reached only as `python -m sglang_rl.drafter widen`
+        print("sglang-rl drafter widen: error: run it as `sglang-rl drafter widen`", file=sys.stderr)
+        return 2
     if args.command == "trainer":
         return _trainer(args)
     if args.arch == "eagle3":
