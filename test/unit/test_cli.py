@@ -59,7 +59,8 @@ def test_model_prints_the_default_model_folder(model_path: str) -> None:
     assert (Path(res.stdout.strip()) / "config.json").is_file()
 
 
-def test_drafter_widen_is_routed_to_the_widen_package(capsys) -> None:
+def test_drafter_widen_is_routed_to_the_widen_package(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(sys, "argv", [str(SGLANG_RL)])  # main names the program in argv[0]
     with pytest.raises(SystemExit) as exited:
         main(["drafter", "widen", "--help"])
     out = capsys.readouterr().out
