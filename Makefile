@@ -27,8 +27,7 @@ demo: setup
 demo-cotrain: setup-test
 	$(PY) scripts/demo_cotrain.py
 
-# the unit tests run alongside the end-to-end ones (which leave part of the 2 cores idle while
-# they wait on servers); their output follows the end-to-end report
+# the unit tests run alongside the end-to-end ones; their output follows the end-to-end report
 test: setup-test
 	@unit_log=$$(mktemp /tmp/sglang-rl-unit-tests.XXXXXX); started=$$(date +%s); \
 	$(PY) -m pytest test/unit -v --durations=15 > $$unit_log 2>&1 & unit_pid=$$!; \

@@ -21,6 +21,7 @@ toploc_pid=""
 if ! "$VENV/bin/python" -c "import toploc" >/dev/null 2>&1; then
   $PIP install -q --no-build-isolation --no-deps --no-binary toploc toploc==0.1.6 >"$TOPLOC_LOG" 2>&1 &
   toploc_pid=$!
+  trap '[ -z "$toploc_pid" ] || kill "$toploc_pid" 2>/dev/null || true' EXIT  # a failed install stops the build too
 fi
 $PIP install -q -r requirements/cpu.txt
 # sglang, torchvision (imported by sglang, CUDA build: only its schemas are shimmed) and the
@@ -35,20 +36,20 @@ rm -rf "$SITE"/sgl_kernel_cpu_standin-*.dist-info && cp -r scripts/cpu_shims/sgl
 $PIP install -q --no-deps --no-build-isolation -e client
 $PIP install -q --no-deps --no-build-isolation -e python
 
-wait_for_toploc() {
-  [ -n "$toploc_pid" ] || return 0
-  if ! wait "$toploc_pid"; then
+# the end of either stage: toploc built, everything imports, the stage's stamps ($@) written
+finish() {
+  if [ -n "$toploc_pid" ] && ! wait "$toploc_pid"; then
     cat "$TOPLOC_LOG"
     echo "setup_cpu.sh: building toploc failed (log above)" >&2
     exit 1
   fi
   toploc_pid=""
+  "$VENV/bin/python" -c "import sglang, toploc, sglang_rl, sglang_rl_client; print('sglang', sglang.__version__, '| toploc ok | sglang_rl ok | sglang_rl_client ok')"
+  touch "$@"
 }
 
 if [ "$STAGE" != tests ]; then
-  wait_for_toploc
-  "$VENV/bin/python" -c "import sglang, toploc, sglang_rl, sglang_rl_client; print('sglang', sglang.__version__, '| toploc ok | sglang_rl ok | sglang_rl_client ok')"
-  touch "$VENV/.setup-stamp"
+  finish "$VENV/.setup-stamp"
   exit 0
 fi
 
@@ -67,7 +68,5 @@ rm -f "$VENV"/verl-resolution.*
 "$VENV/uv/bin/uv" pip compile -q --no-header --python-version 3.11 --python-platform x86_64-manylinux_2_34 \
   --override requirements/verl-overrides.txt requirements/verl-gpu.txt -o "$VENV/verl-resolution.txt" \
   2>"$VENV/verl-resolution.err" || true
-wait_for_toploc
-"$VENV/bin/python" -c "import sglang, toploc, sglang_rl, sglang_rl_client; print('sglang', sglang.__version__, '| toploc ok | sglang_rl ok | sglang_rl_client ok')"
-touch "$VENV/.setup-stamp" "$VENV/.test-stamp"
+finish "$VENV/.setup-stamp" "$VENV/.test-stamp"
 echo "$(( $(date +%s) - STARTED ))" > "$VENV/setup-seconds"  # make test prints it beside the tests' times
