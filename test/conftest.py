@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "test"))
 
 from launcher_fork import launcher_fork  # noqa: E402 - found through the path above
+from random_model import ensure_random_model  # noqa: E402
 
 # what sglang may read while the launcher fork server imports it (each server has its own environment)
 SERVER_ENV = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
@@ -28,6 +29,12 @@ def model_path() -> str:
     from sglang_rl.default_model import ensure_default_model
 
     return str(ensure_default_model())
+
+
+@pytest.fixture(scope="session")
+def random_model_path() -> str:
+    """The small random-weight model (random_model.py) of the servers whose spec says so."""
+    return str(ensure_random_model())
 
 
 _handed_out: set[int] = set()

@@ -29,7 +29,8 @@ CALIBRATION = Path(__file__).resolve().parents[2] / "docs" / "results" / "cpu_sm
 # The TOPLOC server of test_upstream_differential (which compares its answers with sglang's) and
 # of test_toploc_calibration (which verifies on it with the calibration file's bounds).
 DIFFERENTIAL_TOPLOC = Spec("differential-toploc", (*HS_NORADIX.args, "--toploc-verification",
-                                                   "--toploc-verification-calibration", str(CALIBRATION)))
+                                                   "--toploc-verification-calibration", str(CALIBRATION)),
+                           random_weights=True)
 
 TIMEOUT = 300
 

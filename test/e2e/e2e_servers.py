@@ -53,6 +53,7 @@ _ROOT = _root_conftest()
 Server = _ROOT.Server
 SERVER_ENV = _ROOT.SERVER_ENV
 launcher_fork = _ROOT.launcher_fork
+ensure_random_model = _ROOT.ensure_random_model
 
 E2E_FLAGS = ("--sleep-on-idle",)
 LOG_DIR = Path(os.environ.get("SGLANG_RL_TEST_LOGS", "/tmp/sglang-rl-test-logs"))
@@ -113,13 +114,17 @@ class Spec:
     `polls_when_idle`: the server keeps a core busy while no request comes (sglang's
     data-parallel controller reads its socket in a loop that never sleeps,
     `DataParallelController.event_loop`). Started ahead, it waits for its first test at the lowest
-    CPU priority, taking only cycles nothing else wants."""
+    CPU priority, taking only cycles nothing else wants.
+
+    `random_weights`: the server serves the suite's small random-weight model (test/random_model.py)
+    instead of SmolLM2, for tests that need no real text."""
 
     key: str
     args: tuple = ()
     env: Optional[dict] = None
     prepare: Optional[Callable[[str, Path], Prepared]] = None
     polls_when_idle: bool = False
+    random_weights: bool = False
 
 
 def _encode(value: Any) -> Any:
@@ -172,7 +177,8 @@ SPECS: dict[str, Spec] = {}
 def register(spec: Spec) -> Spec:
     """Add a spec (once per key; registering the same key again must describe the same server)."""
     known = SPECS.get(spec.key)
-    if known is not None and (known.args, known.env) != (spec.args, spec.env):
+    if known is not None and (known.args, known.env, known.random_weights) != (spec.args, spec.env,
+                                                                               spec.random_weights):
         raise ValueError(f"two different servers named {spec.key!r}: {known} and {spec}")
     SPECS.setdefault(spec.key, spec)
     return SPECS[spec.key]
@@ -280,7 +286,8 @@ class Pool:
         key = entry.spec.key
         try:
             prepared = self._prepare(entry.spec)
-            server = start_server(prepared.model or self._model(), *entry.spec.args, *prepared.args,
+            default = str(ensure_random_model()) if entry.spec.random_weights else self._model()
+            server = start_server(prepared.model or default, *entry.spec.args, *prepared.args,
                                   log_name=key, env=entry.spec.env)
             server.prepared = prepared.data
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for the server

@@ -41,7 +41,7 @@ E2E_DIR = HERE.parent / "e2e"  # e2e_servers.py (and its conftest), wherever the
 if str(E2E_DIR) not in sys.path:
     sys.path.insert(0, str(E2E_DIR))
 
-from e2e_servers import POOL, Server, ServerHandle, Spec, e2e_env, server_fixture  # noqa: E402
+from e2e_servers import Server, ServerHandle, Spec, e2e_env, ensure_random_model, server_fixture  # noqa: E402
 from sglang_rl.hidden_states import decode_rows  # noqa: E402
 
 # A row equals the HF row when every element is within ATOL + RTOL * |HF value| (torch.allclose).
@@ -94,11 +94,12 @@ def _print_stats() -> None:
 atexit.register(_print_stats)
 
 
+# rows are compared with a transformers forward and answers with sglang alone: no real text needed
 HS_RADIX = Spec("hs-radix-chunked", ("--enable-return-hidden-states", "--chunked-prefill-size", "64",
-                                     "--toploc-verification"))
-HS_NORADIX = Spec("hs-noradix", ("--enable-return-hidden-states", "--disable-radix-cache"))
+                                     "--toploc-verification"), random_weights=True)
+HS_NORADIX = Spec("hs-noradix", ("--enable-return-hidden-states", "--disable-radix-cache"), random_weights=True)
 # its twin without the plugin: SGLANG_PLUGINS names only the CPU stand-in's own plugin
-DISABLED = Spec("disabled", HS_NORADIX.args, env={"SGLANG_PLUGINS": "sgl_kernel_cpu_standin"})
+DISABLED = Spec("disabled", HS_NORADIX.args, env={"SGLANG_PLUGINS": "sgl_kernel_cpu_standin"}, random_weights=True)
 
 
 def engine_job(model_path: str) -> dict[str, Any]:
@@ -123,9 +124,9 @@ def engine_job(model_path: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="session")
-def engine_results(model_path: str) -> dict:
+def engine_results(random_model_path: str) -> dict:
     """What the Engine job saved (test_hidden_states_engine and test_plugin_surface read it)."""
-    job = engine_job(model_path)
+    job = engine_job(random_model_path)
     try:
         rc = job["proc"].wait(timeout=900)
     except Exception:
@@ -147,7 +148,7 @@ def refusal_server(plain_server: Server) -> Server:
 
 
 def _start_engine_job(handle: ServerHandle) -> None:
-    engine_job(POOL.model_path())
+    engine_job(str(ensure_random_model()))
 
 
 hs_server = server_fixture(HS_RADIX, on_use=_start_engine_job,
@@ -214,11 +215,22 @@ class HFReference:
 _hf: dict[str, HFReference] = {}
 
 
-@pytest.fixture(scope="session")
-def hf(model_path: str) -> HFReference:
+def _reference(model_path: str) -> HFReference:
     if model_path not in _hf:
         _hf[model_path] = HFReference(model_path)
     return _hf[model_path]
+
+
+@pytest.fixture(scope="session")
+def hf(model_path: str) -> HFReference:
+    """SmolLM2's reference (the speculative servers serve it)."""
+    return _reference(model_path)
+
+
+@pytest.fixture(scope="session")
+def random_hf(random_model_path: str) -> HFReference:
+    """The reference of the hidden-state servers' small random-weight model."""
+    return _reference(random_model_path)
 
 
 # --------------------------------------------------------------------------------------------

@@ -127,13 +127,14 @@ class _MemoLm:
 
 
 _lock = threading.Lock()
-_oracle: dict[str, Any] = {}
+_oracle: dict[str, dict] = {}
 
 
 def oracle(model_path: str) -> dict:
-    """{"model": memoised float32 HF model, "tokenizer", "eos": set of EOS ids} (loaded once)."""
+    """{"model": memoised float32 HF model, "tokenizer", "eos": set of EOS ids} of `model_path`
+    (loaded once per model)."""
     with _lock:
-        if not _oracle:
+        if model_path not in _oracle:
             import torch
             from transformers import AutoTokenizer
 
@@ -148,8 +149,8 @@ def oracle(model_path: str) -> dict:
             for value in (config_eos, gen_eos):
                 if value is not None:
                     eos |= set(value) if isinstance(value, (list, tuple)) else {int(value)}
-            _oracle.update(model=_MemoLm(model), tokenizer=tokenizer, eos=eos)
-        return _oracle
+            _oracle[model_path] = {"model": _MemoLm(model), "tokenizer": tokenizer, "eos": eos}
+        return _oracle[model_path]
 
 
 def reference(model_path: str, ids: list[int], k: int, steps: int, final_prune: bool) -> list[dict]:

@@ -46,11 +46,11 @@ def samples(hs_server: Server) -> list[dict]:
 
 
 @pytest.mark.parametrize("fmt", ["base64", "list"])
-def test_final_row_does_not_enter_the_fingerprint(hs_server: Server, hf, fmt: str) -> None:
+def test_final_row_does_not_enter_the_fingerprint(hs_server: Server, random_hf, fmt: str) -> None:
     out = generate(hs_server.url, PROMPTS[0][0], PROMPTS[0][1],
                    fields=hs_fields(True, fmt, "all", None, True))
     meta = out["meta_info"]
-    check_response(hf, meta, mode=True, fmt=fmt, scope="all", final=True, what="final row + TOPLOC")
+    check_response(random_hf, meta, mode=True, fmt=fmt, scope="all", final=True, what="final row + TOPLOC")
     resp = post(hs_server.url, "/generate", {
         "input_ids": meta["input_ids"] + meta["output_ids"], "sampling_params": {"max_new_tokens": 0},
         "toploc_verification_fingerprint_to_validate": meta["toploc_verification_fingerprints"][-1]})
@@ -93,7 +93,7 @@ def test_batch_verification_swapped_fingerprints_fail(hs_server: Server, samples
     assert not any(r["verified"] for r in _verdicts(resp))
 
 
-def test_batch_mixed_items_each_get_their_own_fields(hs_server: Server, hf, samples: list[dict]) -> None:
+def test_batch_mixed_items_each_get_their_own_fields(hs_server: Server, random_hf, samples: list[dict]) -> None:
     """One batch: a verification, a base64 rows request with the final row, a plain request that
     asks for nothing, an expect-greedy verification and a k-CBS request."""
     items = [
@@ -111,7 +111,7 @@ def test_batch_mixed_items_each_get_their_own_fields(hs_server: Server, hf, samp
          {"max_new_tokens": 3, "kcbs_enabled": True, "kcbs_beam_width": 3}),
     ]
     # /generate batches are of one input kind: send everything as token ids
-    tok = hf.tokenizer
+    tok = random_hf.tokenizer
     ids = [it[0].get("input_ids") or tok(it[0]["text"])["input_ids"] for it in items]
     resp = post(hs_server.url, "/generate", {
         "input_ids": ids, "sampling_params": [p for _, p in items],
@@ -123,7 +123,7 @@ def test_batch_mixed_items_each_get_their_own_fields(hs_server: Server, hf, samp
     assert report["verified"] and report["response_tokens"] == samples[0]["n_out"], report
     greedy_report = json.loads(greedy["toploc_verification_fingerprint_validation_result"])
     assert greedy_report["verified"] and greedy_report["greedy_consistent"] is True, greedy_report
-    check_response(hf, rows, mode=True, fmt="base64", scope="response", final=True, what="batch item 1")
+    check_response(random_hf, rows, mode=True, fmt="base64", scope="response", final=True, what="batch item 1")
     assert len(rows["output_ids"]) == 6
     for meta in (verify, plain, greedy, kcbs):
         assert not {"hidden_states", "hidden_states_rows", "output_ids"} & set(meta), sorted(meta)

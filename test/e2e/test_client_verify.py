@@ -10,6 +10,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -93,14 +94,20 @@ def test_a_batch_of_verifications_is_one_prefill_beside_a_running_decode(toploc_
     may split it (a per-request capture mode, a prefix limit, a lock) or hold it until the running
     generation ends."""
     log_path = toploc_server.log_path
-    body = {"input_ids": rollouts[0]["input_ids"], "stream": True,
-            "sampling_params": {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}}
+    # far more tokens than a loaded 2-core machine decodes while the batch is verified (400 were
+    # done before it arrived once in CI); it is aborted once the verdicts are in
+    rid = f"long-decode-{time.time_ns()}"
+    body = {"input_ids": rollouts[0]["input_ids"], "stream": True, "rid": rid,
+            "sampling_params": {"max_new_tokens": 4000, "temperature": 0, "ignore_eos": True}}
     with requests.post(toploc_server.url + "/generate", json=body, stream=True, timeout=TIMEOUT) as generation:
         assert generation.status_code == 200, generation.text
         next(line for line in generation.iter_lines() if line.startswith(b"data:"))  # its first token: decoding
         offset = len(log_path.read_bytes())
         items = [Rollout.from_dict(r) for r in rollouts]
-        outcomes = list(VerifierClient(toploc_server.url, batch_size=len(items), concurrency=1).verify_many(items))
+        try:
+            outcomes = list(VerifierClient(toploc_server.url, batch_size=len(items), concurrency=1).verify_many(items))
+        finally:
+            requests.post(toploc_server.url + "/abort_request", json={"rid": rid}, timeout=TIMEOUT)
     assert [o.status for o in outcomes] == ["verified"] * len(items), [o.error or o.result for o in outcomes]
     batches = prefill_batches(log_path.read_bytes()[offset:].decode(errors="replace"))
     response_tokens = sum(len(r["output_ids"]) for r in rollouts)

@@ -75,10 +75,10 @@ def _run(url: str, job: dict) -> dict:
 
 
 @pytest.mark.parametrize("which", ["radix_chunked_toploc", "noradix"])
-def test_concurrent_mixed_requests(request, hf, which: str) -> None:
+def test_concurrent_mixed_requests(request, random_hf, which: str) -> None:
     server = request.getfixturevalue("hs_server" if which != "noradix" else "hs_noradix_server")
     url = server.url
-    chat_prompt = hf.tokenizer.apply_chat_template(
+    chat_prompt = random_hf.tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is 2+2? Answer with a number only."}], tokenize=False,
         add_generation_prompt=True)
     verify = []
@@ -106,10 +106,10 @@ def test_concurrent_mixed_requests(request, hf, which: str) -> None:
         what = f"{which} job {i} {job['kind']} " + " ".join(
             f"{k}={job[k]}" for k in ("max", "fmt", "mode", "scope", "last_n", "final") if k in job)
         if job["kind"] == "hs":
-            check_response(hf, out["meta_info"], mode=job["mode"], fmt=job["fmt"], scope=job["scope"],
+            check_response(random_hf, out["meta_info"], mode=job["mode"], fmt=job["fmt"], scope=job["scope"],
                            last_n=job["last_n"], final=job["final"], what=what)
         elif job["kind"] == "chat":
-            check_response(hf, out["choices"][0]["message"], mode=job["mode"], fmt=job["fmt"],
+            check_response(random_hf, out["choices"][0]["message"], mode=job["mode"], fmt=job["fmt"],
                            scope=job["scope"], last_n=job["last_n"], final=job["final"], what=what)
         elif job["kind"] == "plain":
             meta = out["meta_info"]

@@ -36,7 +36,7 @@ def _ids() -> dict:
     return {"return_input_ids": True, "return_output_ids": True}
 
 
-def test_openai_chat_and_completions(hs_server, hf) -> None:
+def test_openai_chat_and_completions(hs_server, random_hf) -> None:
     url = hs_server.url
     cases = [
         ("chat", "list", True, "response", None, True),
@@ -61,12 +61,12 @@ def test_openai_chat_and_completions(hs_server, hf) -> None:
     diffs = {}
     for (endpoint, fmt, mode, scope, last_n, final), target in zip(cases, targets):
         what = f"{endpoint} {fmt} {mode} {scope} {last_n} final={final}"
-        diffs[what] = check_response(hf, target, mode=mode, fmt=fmt, scope=scope, last_n=last_n, final=final,
+        diffs[what] = check_response(random_hf, target, mode=mode, fmt=fmt, scope=scope, last_n=last_n, final=final,
                                      what=what)
     report("openai", **{k: f"{v:.1e}" for k, v in diffs.items()})
 
 
-def test_openai_n2_sampling_each_choice_gets_its_own_rows(hs_server, hf) -> None:
+def test_openai_n2_sampling_each_choice_gets_its_own_rows(hs_server, random_hf) -> None:
     url = hs_server.url
     fields = {**hs_fields(True, "base64", "all"), **_ids()}
     completions = {"model": "default", "prompt": SHORT_PROMPT, "max_tokens": 8, "temperature": 1.0, "n": 2, **fields}
@@ -79,13 +79,13 @@ def test_openai_n2_sampling_each_choice_gets_its_own_rows(hs_server, hf) -> None
         messages = [c["message"] for c in done[1].result().json()["choices"]]
     assert len(choices) == 2 and len(messages) == 2
     for i, target in enumerate(choices):
-        check_response(hf, target, mode=True, fmt="base64", scope="all", what=f"completions n=2 choice {i}")
+        check_response(random_hf, target, mode=True, fmt="base64", scope="all", what=f"completions n=2 choice {i}")
     for i, target in enumerate(messages):
-        check_response(hf, target, mode="last", fmt="list", scope="response", what=f"chat n=2 choice {i}")
+        check_response(random_hf, target, mode="last", fmt="list", scope="response", what=f"chat n=2 choice {i}")
     report("n=2 outputs", completions=[c["output_ids"] for c in choices], chat=[m["output_ids"] for m in messages])
 
 
-def test_parallel_sampling_with_the_final_row(hs_server, hf) -> None:
+def test_parallel_sampling_with_the_final_row(hs_server, random_hf) -> None:
     """n=2 with return_final_hidden_state (sglang first sends a prefill-only request to cache the
     shared prompt; it carries the same fields)."""
     body = {"text": SHORT_PROMPT, "sampling_params": {"max_new_tokens": 6, "temperature": 1.0, "n": 2}, **_ids(),
@@ -98,11 +98,11 @@ def test_parallel_sampling_with_the_final_row(hs_server, hf) -> None:
     outs = resp.json()
     assert len(outs) == 2
     for i, out in enumerate(outs):
-        check_response(hf, out["meta_info"], mode=True, fmt="base64", scope="response", final=True,
+        check_response(random_hf, out["meta_info"], mode=True, fmt="base64", scope="response", final=True,
                        what=f"n=2 final item {i}")
 
 
-def test_streamed_generate_chat_and_completions(hs_server, hf) -> None:
+def test_streamed_generate_chat_and_completions(hs_server, random_hf) -> None:
     url = hs_server.url
     generate_body = {"text": SHORT_PROMPT, "stream": True, "sampling_params": {"max_new_tokens": 8, "temperature": 0},
                      **_ids(), **hs_fields(True, "list", "all", None, True)}
@@ -116,20 +116,20 @@ def test_streamed_generate_chat_and_completions(hs_server, hf) -> None:
 
     assert events and events[-1]["meta_info"]["finish_reason"] is not None
     assert not any("hidden_states_rows" in e["meta_info"] for e in events[:-1]), "rows before the last event"
-    check_response(hf, events[-1]["meta_info"], mode=True, fmt="list", scope="all", final=True,
+    check_response(random_hf, events[-1]["meta_info"], mode=True, fmt="list", scope="all", final=True,
                    what="streamed /generate")
 
     finals = [c for e in chat_events for c in e["choices"] if c.get("finish_reason")]
     assert len(finals) == 1, finals
-    check_response(hf, finals[0]["delta"], mode=True, fmt="base64", scope="response", final=True,
+    check_response(random_hf, finals[0]["delta"], mode=True, fmt="base64", scope="response", final=True,
                    what="streamed chat")
 
     finals = [c for e in completions_events for c in e["choices"] if c.get("finish_reason")]
     assert len(finals) == 1, finals
-    check_response(hf, finals[0], mode="last", fmt="base64", scope="all", what="streamed completions")
+    check_response(random_hf, finals[0], mode="last", fmt="base64", scope="all", what="streamed completions")
 
 
-def test_batched_generate(hs_server, hf) -> None:
+def test_batched_generate(hs_server, random_hf) -> None:
     """/generate with a list of prompts: each output carries its own rows."""
     texts = [SHORT_PROMPT, "One two three", "A short poem about the sea:"]
     body = {"text": texts, "sampling_params": {"max_new_tokens": 6, "temperature": 0}, **_ids(),
@@ -137,7 +137,7 @@ def test_batched_generate(hs_server, hf) -> None:
     outs = _post(hs_server.url, "/generate", body).json()
     assert len(outs) == len(texts)
     for i, out in enumerate(outs):
-        check_response(hf, out["meta_info"], mode=True, fmt="base64", scope="response", final=True,
+        check_response(random_hf, out["meta_info"], mode=True, fmt="base64", scope="response", final=True,
                        what=f"batch item {i}")
 
 

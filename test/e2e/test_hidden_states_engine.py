@@ -143,7 +143,7 @@ def _surface_calls(engine) -> dict:
     return result
 
 
-def test_engine_rows_match_hf(engine_results, hf) -> None:
+def test_engine_rows_match_hf(engine_results, random_hf) -> None:
     records = engine_results["records"]
     assert len(records) == 9 + 3 + 1 + 1 + 1, [r["name"] for r in records]
     diffs = {}
@@ -153,7 +153,7 @@ def test_engine_rows_match_hf(engine_results, hf) -> None:
         if fmt == "tensor":
             assert isinstance(rec["hidden_states_rows"], torch.Tensor), (rec["name"], type(rec["hidden_states_rows"]))
         diffs[rec["name"]] = check_response(
-            hf, rec, mode=kw["return_hidden_states"], fmt=fmt, scope=kw.get("hidden_states_scope"),
+            random_hf, rec, mode=kw["return_hidden_states"], fmt=fmt, scope=kw.get("hidden_states_scope"),
             last_n=kw.get("hidden_states_last_n"), final=bool(kw.get("return_final_hidden_state")),
             what=f"Engine {rec['name']}")
     cached = next(r for r in records if r["name"] == "tensor all again (cached prompt)")

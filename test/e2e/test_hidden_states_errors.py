@@ -64,7 +64,7 @@ def _message(resp: requests.Response) -> str:
 
 
 @pytest.mark.parametrize("endpoint", ["generate", "chat", "completions"])
-def test_bad_fields_are_400_with_the_reason(hs_server, hf, endpoint: str) -> None:
+def test_bad_fields_are_400_with_the_reason(hs_server, random_hf, endpoint: str) -> None:
     url = hs_server.url
     problems = []
     for fields, words in BAD:
@@ -79,7 +79,7 @@ def test_bad_fields_are_400_with_the_reason(hs_server, hf, endpoint: str) -> Non
     assert not problems, "\n".join(problems)
     # still serving, hidden states included
     out = generate(url, SHORT_PROMPT, 5, fields=hs_fields(True, "base64", "all", None, True))
-    check_response(hf, out["meta_info"], mode=True, fmt="base64", scope="all", final=True, what="after 400s")
+    check_response(random_hf, out["meta_info"], mode=True, fmt="base64", scope="all", final=True, what="after 400s")
 
 
 def test_server_without_the_flag_refuses(refusal_server) -> None:

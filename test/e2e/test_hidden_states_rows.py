@@ -45,7 +45,7 @@ MEDIUM_PROMPT = "A list of rivers: the red river, the blue river, the green rive
                 "Each one flows past an old mill, and the"
 
 
-def _run_matrix(url: str, hf, prompt: str, max_new_tokens: int, cases: list, label: str) -> None:
+def _run_matrix(url: str, random_hf, prompt: str, max_new_tokens: int, cases: list, label: str) -> None:
     def one(case):
         fmt, mode, scope, last_n, final = case
         out = generate(url, prompt, max_new_tokens, ignore_eos=True, fields=hs_fields(mode, fmt, scope, last_n, final))
@@ -57,25 +57,25 @@ def _run_matrix(url: str, hf, prompt: str, max_new_tokens: int, cases: list, lab
     diffs = {}
     for (fmt, mode, scope, last_n, final), out in results:
         what = f"{label} format={fmt} mode={mode} scope={scope} last_n={last_n} final={final}"
-        diffs[what] = check_response(hf, out["meta_info"], mode=mode, fmt=fmt, scope=scope, last_n=last_n,
+        diffs[what] = check_response(random_hf, out["meta_info"], mode=mode, fmt=fmt, scope=scope, last_n=last_n,
                                      final=final, what=what)
     report(f"{label}: {len(diffs)} requests, max |diff| per request", **{k: f"{v:.1e}" for k, v in diffs.items()})
 
 
-def test_every_scope_mode_and_format_radix_cache_and_chunked_prefill(hs_server, hf) -> None:
+def test_every_scope_mode_and_format_radix_cache_and_chunked_prefill(hs_server, random_hf) -> None:
     """Radix cache on, 64-token chunks, a ~240-token prompt (4 chunks). A plain request first puts
     the prompt in the cache, so scope all / last_n must recompute what they need from it."""
     warm = generate(hs_server.url, LONG_PROMPT, 6)
     assert len(warm["meta_info"]["input_ids"]) > 3 * 64, len(warm["meta_info"]["input_ids"])
-    _run_matrix(hs_server.url, hf, LONG_PROMPT, 6, MATRIX + EXTRA, "radix+chunked")
+    _run_matrix(hs_server.url, random_hf, LONG_PROMPT, 6, MATRIX + EXTRA, "radix+chunked")
 
 
-def test_every_scope_mode_and_format_without_radix_cache(hs_noradix_server, hf) -> None:
+def test_every_scope_mode_and_format_without_radix_cache(hs_noradix_server, random_hf) -> None:
     """Every prompt row is computed afresh here (no cache, one chunk): a prompt of ~40 tokens."""
-    _run_matrix(hs_noradix_server.url, hf, MEDIUM_PROMPT, 6, MATRIX + EXTRA, "no-radix")
+    _run_matrix(hs_noradix_server.url, random_hf, MEDIUM_PROMPT, 6, MATRIX + EXTRA, "no-radix")
 
 
-def test_repeated_prompt_still_has_every_prompt_row(hs_server, hf) -> None:
+def test_repeated_prompt_still_has_every_prompt_row(hs_server, random_hf) -> None:
     """The same prompt again and again on the radix-cache server: the cache is really hit by plain
     requests, and every hidden-state request still gets all the rows its scope names."""
     url = hs_server.url
@@ -99,7 +99,7 @@ def test_repeated_prompt_still_has_every_prompt_row(hs_server, hf) -> None:
         out = generate(url, prompt, 4, ignore_eos=True, fields=hs_fields(mode, fmt, scope, last_n, final))
         meta = out["meta_info"]
         cached.append(meta["cached_tokens"])
-        check_response(hf, meta, mode=mode, fmt=fmt, scope=scope, last_n=last_n, final=final,
+        check_response(random_hf, meta, mode=mode, fmt=fmt, scope=scope, last_n=last_n, final=final,
                        what=f"repeat {fmt} {mode} {scope} {last_n} {final}")
         if scope == "all" and mode is True:
             rows, pos = rows_of(meta, fmt)
@@ -107,18 +107,18 @@ def test_repeated_prompt_still_has_every_prompt_row(hs_server, hf) -> None:
 
     # an extension of the cached prompt: prefix in the cache, rows of all of it still wanted
     out = generate(url, prompt + " Then the dog wakes up.", 4, ignore_eos=True, fields=hs_fields(True, "base64", "all"))
-    check_response(hf, out["meta_info"], mode=True, fmt="base64", scope="all", what="extended prompt")
+    check_response(random_hf, out["meta_info"], mode=True, fmt="base64", scope="all", what="extended prompt")
     report("radix repeats", prompt_len=prompt_len, plain_cached_tokens=again["meta_info"]["cached_tokens"],
            hs_cached_tokens=cached)
 
 
-def test_chunked_prefill_with_a_cached_prefix(hs_server, hf) -> None:
+def test_chunked_prefill_with_a_cached_prefix(hs_server, random_hf) -> None:
     """A cached prefix followed by an uncached part that itself spans several 64-token chunks."""
     url = hs_server.url
     generate(url, LONG_PROMPT, 4)
     # last_n=150: the cache may serve only the first L-150 tokens; 150 rows over 3 chunks
     out = generate(url, LONG_PROMPT, 4, ignore_eos=True, fields=hs_fields(True, "base64", "last_n", 150, True))
-    check_response(hf, out["meta_info"], mode=True, fmt="base64", scope="last_n", last_n=150, final=True,
+    check_response(random_hf, out["meta_info"], mode=True, fmt="base64", scope="last_n", last_n=150, final=True,
                    what="chunked last_n=150")
     # a new suffix of ~90 tokens after the cached ~240: the suffix is prefilled in 2 chunks
     suffix = " " + " ".join(f"Note {i}: every chunk boundary must keep its rows in order." for i in range(7))
@@ -126,10 +126,10 @@ def test_chunked_prefill_with_a_cached_prefix(hs_server, hf) -> None:
         out = generate(url, LONG_PROMPT + suffix, 3, ignore_eos=True, fields=hs_fields(True, fmt, scope, last_n))
         meta = out["meta_info"]
         assert len(meta["input_ids"]) > 300, len(meta["input_ids"])
-        check_response(hf, meta, mode=True, fmt=fmt, scope=scope, last_n=last_n, what=f"chunked suffix {scope}")
+        check_response(random_hf, meta, mode=True, fmt=fmt, scope=scope, last_n=last_n, what=f"chunked suffix {scope}")
 
 
-def test_single_output_token(hs_server, hs_noradix_server, hf) -> None:
+def test_single_output_token(hs_server, hs_noradix_server, random_hf) -> None:
     """max_new_tokens=1: the only rows come from the prefill (and the final-row step)."""
     cases = (("base64", True, "response", False), ("list", True, "response", False), ("base64", "last", "all", False),
              ("list", True, "all", True), ("base64", "last", "response", True), ("list", "last", "response", False))
@@ -144,14 +144,14 @@ def test_single_output_token(hs_server, hs_noradix_server, hf) -> None:
     for (server, (fmt, mode, scope, final)), out in zip(jobs, outs):
         meta = out["meta_info"]
         assert len(meta["output_ids"]) == 1
-        check_response(hf, meta, mode=mode, fmt=fmt, scope=scope, final=final,
+        check_response(random_hf, meta, mode=mode, fmt=fmt, scope=scope, final=final,
                        what=f"{server.key}: 1 token {fmt} {mode} {scope} final={final}")
 
 
 N_ROWS = 32
 
 
-def test_list_and_base64_are_identical_and_payload_sizes(hs_noradix_server, hf) -> None:
+def test_list_and_base64_are_identical_and_payload_sizes(hs_noradix_server, random_hf) -> None:
     """The same N_ROWS-token generation in both formats: bit-identical rows; sizes printed."""
     url = hs_noradix_server.url
     outs, bodies = {}, {}
@@ -167,18 +167,18 @@ def test_list_and_base64_are_identical_and_payload_sizes(hs_noradix_server, hf) 
     rows_b, pos_b = rows_of(outs["base64"]["meta_info"], "base64")
     assert pos_l == pos_b and len(pos_l) == N_ROWS, (len(pos_l), len(pos_b))
     assert torch.equal(rows_l, rows_b), (rows_l - rows_b).abs().max()
-    check_response(hf, outs["base64"]["meta_info"], mode=True, fmt="base64", scope="response", final=True,
+    check_response(random_hf, outs["base64"]["meta_info"], mode=True, fmt="base64", scope="response", final=True,
                    what=f"{N_ROWS}-token base64")
     field_l = len(json.dumps(outs["list"]["meta_info"]["hidden_states_rows"]))
     field_b = len(json.dumps(outs["base64"]["meta_info"]["hidden_states_rows"]))
-    report(f"payload sizes for {N_ROWS} rows x {hf.hidden} float32 (scope response + final row)",
+    report(f"payload sizes for {N_ROWS} rows x {random_hf.hidden} float32 (scope response + final row)",
            list_field_bytes=field_l, base64_field_bytes=field_b,
            list_http_body_bytes=len(bodies["list"]), base64_http_body_bytes=len(bodies["base64"]),
-           raw_bytes=N_ROWS * hf.hidden * 4, list_over_base64=round(field_l / field_b, 2))
+           raw_bytes=N_ROWS * random_hf.hidden * 4, list_over_base64=round(field_l / field_b, 2))
     assert field_b < field_l
 
 
-def test_prefill_only_request(hs_server, hf) -> None:
+def test_prefill_only_request(hs_server, random_hf) -> None:
     """max_new_tokens=0 (a prefill-only request, e.g. rows of an existing prompt+response): answers
     in time, and every row is right. The prefill fed every token, so the row of the last position
     L-1 exists too and counts as the final row: positions 0..L-1, with or without
@@ -206,7 +206,7 @@ def test_prefill_only_request(hs_server, hf) -> None:
             problems.append(f"{what}: {meta['hidden_states_error']}")
             continue
         try:
-            check_response(hf, meta, mode=mode, fmt=fmt, scope=scope, last_n=last_n, final=True, what=what)
+            check_response(random_hf, meta, mode=mode, fmt=fmt, scope=scope, last_n=last_n, final=True, what=what)
         except AssertionError as exc:
             problems.append(str(exc))
     assert not problems, "\n".join(problems)

@@ -367,7 +367,7 @@ def test_kv_and_work_after_abort_request(server, tok):
 # radix cache off
 
 
-def test_radix_cache_off_gives_the_reference_candidates(hs_noradix_server, tok, model_path):
+def test_radix_cache_off_gives_the_reference_candidates(hs_noradix_server, tok, random_model_path):
     """k-CBS on a server without the radix cache: each beam prefills the prompt itself, so its
     rows hold its own prompt slots next to the forked beam positions. Candidates equal the
     transformers reference and the KV pool returns to its start value (every slot freed once)."""
@@ -376,7 +376,7 @@ def test_radix_cache_off_gives_the_reference_candidates(hs_noradix_server, tok, 
     cases = [("capital", 3, 5, True), ("count", 2, 8, False), ("fox", 4, 4, True)]
     outs = pmap(lambda c: generate(url, kcbs_body(prompt_ids(tok, c[0]), c[1], c[2], c[3])), cases)
     for (name, k, steps, prune), out in zip(cases, outs):
-        want = reference(model_path, prompt_ids(tok, name), k, steps, prune)
+        want = reference(random_model_path, prompt_ids(tok, name), k, steps, prune)
         assert_candidates_match(out["meta_info"]["kcbs_candidates"], want, f"no radix cache: {name}")
     reached, _, trace = wait_idle(url, timeout=60, baseline=base)
     assert reached, f"KV usage did not return to {base}: {trace[-10:]}"

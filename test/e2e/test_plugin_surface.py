@@ -39,10 +39,10 @@ def _env(extra: dict | None = None) -> dict:
 
 
 @pytest.fixture(scope="module")
-def launched(model_path) -> dict:
+def launched(random_model_path) -> dict:
     """The help text, from a subprocess (while the disabled server and the Engine job start, if
     nothing started them ahead)."""
-    engine_job(model_path)
+    engine_job(random_model_path)
     proc = subprocess.Popen([sys.executable, "-m", "sglang.launch_server", "--help"], env=_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -77,7 +77,7 @@ def test_engine_generate_with_positional_sampling_params(engine_results) -> None
     assert decode_fingerprint(meta["toploc_verification_fingerprints"][-1]).n_rows == len(meta["output_ids"])
 
 
-def test_engine_takes_the_flag_and_returns_fingerprints(engine_results, toploc_server) -> None:
+def test_engine_takes_the_flag_and_returns_fingerprints(engine_results, hs_server) -> None:
     result = _engine_result(engine_results)
     assert "keyword" in result and "verification" in result, sorted(result)
     meta = result["keyword"]["meta"]
@@ -91,12 +91,12 @@ def test_engine_takes_the_flag_and_returns_fingerprints(engine_results, toploc_s
            greedy_consistent=report.get("greedy_consistent"),
            positional_call=result.get("positional", {}).get("error", "ok"))
     assert report["verified"] is True and report["greedy_consistent"] is True
-    # the Engine and the server compute the same greedy tokens, and the server verifies the
-    # Engine's fingerprint
-    [server] = gen_generate(toploc_server.url, text="The capital of France is", max_tokens=8, temperature=0.0)
+    # the Engine and a TOPLOC server of the same model compute the same greedy tokens, and the
+    # server verifies the Engine's fingerprint
+    [server] = gen_generate(hs_server.url, text="The capital of France is", max_tokens=8, temperature=0.0)
     assert server["output_ids"] == meta["output_ids"]
     assert server["input_ids"] == meta["input_ids"]
-    status, cross = verify_tokens(toploc_server.url, meta["input_ids"] + meta["output_ids"], fps[-1])
+    status, cross = verify_tokens(hs_server.url, meta["input_ids"] + meta["output_ids"], fps[-1])
     assert status == 200 and cross["verified"] is True, cross
 
 

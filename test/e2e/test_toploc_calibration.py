@@ -12,7 +12,7 @@ from toploc_helpers import gen_generate, verify_tokens
 calibrated_server = server_fixture(DIFFERENTIAL_TOPLOC, scope="module")
 
 
-def test_calibrated_bounds_are_applied_and_named(calibrated_server: Server, toploc_server: Server) -> None:
+def test_calibrated_bounds_are_applied_and_named(calibrated_server: Server, hs_server: Server) -> None:
     cal = load_calibration(CALIBRATION)
     samples = gen_generate(calibrated_server.url, text="Question: what is 17 * 3? Answer:", max_tokens=40,
                            ignore_eos=True)
@@ -23,7 +23,7 @@ def test_calibrated_bounds_are_applied_and_named(calibrated_server: Server, topl
     assert report["thresholds"]["max_exp_mismatches"] == cal.full.max_exp_mismatches
     assert report["num_chunks"] == 2 and report["response_tokens"] == 40
     assert report["short_chunk_thresholds"]["max_mant_err_mean"] == cal.short.max_mant_err_mean
-    # the same response on a server without the file: the default bounds, named as such
-    status, default = verify_tokens(toploc_server.url, ids, fp)
+    # the same response on a server of the same model without the file: the default bounds, named as such
+    status, default = verify_tokens(hs_server.url, ids, fp)
     assert status == 200 and default["verified"], default
     assert default["thresholds_source"] == UNCALIBRATED
