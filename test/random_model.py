@@ -9,7 +9,7 @@ SmolLM2-135M's cost on the CPU: one server each, 20 sequential 5-token requests 
 TOPLOC's 128 top values per row meaningful.
 
 Built once per machine beside the default model (SGLANG_RL_MODEL_DIR's parent), atomically: the
-unit and end-to-end suites may ask for it at the same time.
+pool's start threads and the tests' fixtures may ask for it at the same time.
 """
 
 from __future__ import annotations

@@ -269,6 +269,15 @@ def generate(url: str, prompt: Any, max_new_tokens: int, *, temperature: float =
     return resp.json()
 
 
+def stop_token(url: str, prompt: Any, max_new: int) -> int:
+    """A token that ends the served model's greedy continuation of `prompt` early when stopped on:
+    the first one that differs from its first token, reached before the last of `max_new` tokens
+    (that first token if there is none). The random-weight model never greedily reaches its EOS
+    and repeats a token for a while, then changes."""
+    out = generate(url, prompt, max_new, ignore_eos=True)["meta_info"]["output_ids"]
+    return next((t for t in out[1:-1] if t != out[0]), out[0])
+
+
 # --------------------------------------------------------------------------------------------
 # checks
 

@@ -23,6 +23,7 @@ from hidden_states_fixtures import (
     generate,
     hs_fields,
     report,
+    stop_token,
 )
 
 RESULT_FIELD = "toploc_verification_fingerprint_validation_result"
@@ -30,20 +31,22 @@ RESULT_FIELD = "toploc_verification_fingerprint_validation_result"
 pytestmark = pytest.mark.uses_servers("hs_server", "hs_noradix_server")  # through request.getfixturevalue
 
 
-def _jobs(chat_prompt: str, verify: list[dict]) -> list[dict]:
+def _jobs(chat_prompt: str, chat_stop: int, verify: list[dict]) -> list[dict]:
     medium = "Once upon a time, in a small village by the sea, there lived an old fisherman who"
     shared = LONG_PROMPT + " Also list three rivers you know:"
-    # every scope, mode, format and final-row setting; prompts of 1 and 4 chunks, a cached prefix, EOS
+    # every scope, mode, format and final-row setting; prompts of 1 and 4 chunks, a cached prefix, a
+    # matched stop token (in EOS's place: the random-weight model never reaches its EOS)
     hs = [
         (SHORT_PROMPT, 9, "base64", True, "all", None, True),
         (LONG_PROMPT, 5, "list", True, "all", None, False),
         (medium, 8, "base64", True, "response", None, False),
-        (chat_prompt, 16, "base64", True, "response", None, True),   # stops at EOS
+        (chat_prompt, 16, "base64", True, "response", None, True),   # stops on chat_stop
         (shared, 6, "list", "last", "all", None, True),
         (medium, 3, "list", True, "last_n", 2, False),
         (SHORT_PROMPT, 6, "base64", True, "last_n", 30, True),     # last_n beyond the sequence
     ]
-    jobs = [{"kind": "hs", "prompt": p, "max": n, "fmt": f, "mode": m, "scope": s, "last_n": k, "final": fin}
+    jobs = [{"kind": "hs", "prompt": p, "max": n, "fmt": f, "mode": m, "scope": s, "last_n": k, "final": fin,
+             "stop": chat_stop if p == chat_prompt else None}
             for p, n, f, m, s, k, fin in hs]
     plain = [(SHORT_PROMPT, 7), (medium, 5)]
     jobs += [{"kind": "plain", "prompt": p, "max": n} for p, n in plain]
@@ -56,8 +59,9 @@ def _jobs(chat_prompt: str, verify: list[dict]) -> list[dict]:
 def _run(url: str, job: dict) -> dict:
     kind = job["kind"]
     if kind == "hs":
+        stop = {} if job["stop"] is None else {"stop_token_ids": [job["stop"]]}
         return generate(url, job["prompt"], job["max"],
-                        fields=hs_fields(job["mode"], job["fmt"], job["scope"], job["last_n"], job["final"]))
+                        fields=hs_fields(job["mode"], job["fmt"], job["scope"], job["last_n"], job["final"]), **stop)
     if kind == "plain":
         return generate(url, job["prompt"], job["max"])
     if kind == "chat":
@@ -89,7 +93,7 @@ def test_concurrent_mixed_requests(request, random_hf, which: str) -> None:
                 lambda p: generate(url, p, 8), ("The history of the printing press begins", "1, 1, 2, 3, 5, 8,"))]
         verify = [{"ids": meta["input_ids"] + meta["output_ids"], "fp": meta["toploc_verification_fingerprints"][-1]}
                   for meta in metas]
-    jobs = _jobs(chat_prompt, verify)
+    jobs = _jobs(chat_prompt, stop_token(url, chat_prompt, 16), verify)
     with ThreadPoolExecutor(len(jobs)) as pool:
         outs = list(pool.map(lambda job: _run(url, job), jobs))
 
@@ -106,6 +110,8 @@ def test_concurrent_mixed_requests(request, random_hf, which: str) -> None:
         what = f"{which} job {i} {job['kind']} " + " ".join(
             f"{k}={job[k]}" for k in ("max", "fmt", "mode", "scope", "last_n", "final") if k in job)
         if job["kind"] == "hs":
+            if job["stop"] is not None:
+                assert out["meta_info"]["finish_reason"].get("matched") == job["stop"], (what, out["meta_info"])
             check_response(random_hf, out["meta_info"], mode=job["mode"], fmt=job["fmt"], scope=job["scope"],
                            last_n=job["last_n"], final=job["final"], what=what)
         elif job["kind"] == "chat":

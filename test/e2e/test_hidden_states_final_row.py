@@ -11,7 +11,6 @@ token, so the response has several tokens."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import pytest
 import requests
@@ -25,6 +24,7 @@ from hidden_states_fixtures import (
     hs_fields,
     report,
     rows_of,
+    stop_token,
 )
 
 pytestmark = pytest.mark.uses_servers("hs_server", "hs_noradix_server")  # through request.getfixturevalue
@@ -45,13 +45,6 @@ SAME_KEYS = ("output_ids", "completion_tokens", "prompt_tokens", "finish_reason"
 
 def _servers(request, which: str):
     return request.getfixturevalue("hs_server" if which == "radix" else "hs_noradix_server")
-
-
-def stop_token(url: str, prompt: Any, max_new: int) -> int:
-    """The first token of the served model's greedy continuation of `prompt` that differs from its
-    first token (that first token if none does within `max_new`)."""
-    out = generate(url, prompt, max_new, ignore_eos=True)["meta_info"]["output_ids"]
-    return next((t for t in out[1:] if t != out[0]), out[0])
 
 
 @pytest.mark.parametrize("which", ["radix", "noradix"])

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import pytest
 
-from differential import DIFFERENTIAL_TOPLOC, Case, compare
+from differential import DIFFERENTIAL_TOPLOC, Case, call, compare
 from e2e_servers import Server, server_fixture
-from hidden_states_fixtures import HS_NORADIX
+from hidden_states_fixtures import HS_NORADIX, stop_token
 
 FLAGS = HS_NORADIX.args  # the flags of all three servers
 FINGERPRINTS = ("toploc_verification_fingerprints",)
@@ -59,11 +59,6 @@ UPSTREAM_CASES = [
     _generate("generate hidden states", return_hidden_states=True),
     _generate("generate hidden states last", return_hidden_states="last"),
     _generate("generate hidden states stream", return_hidden_states=True, stream=True),
-    Case("generate stop string", "/generate", {"text": "Count: one, two, three, four,",
-                                               "sampling_params": {"max_new_tokens": 16, "stop": [" five"],
-                                                                   **GREEDY}}),
-    Case("generate stop token", "/generate", {"text": PROMPT, "sampling_params": {"max_new_tokens": 16,
-                                                                                  "stop_token_ids": [30], **GREEDY}}),
     Case("generate ignore eos", "/generate", {"text": "<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n",
                                               "sampling_params": {"max_new_tokens": 24, "ignore_eos": True,
                                                                   **GREEDY}}),
@@ -75,7 +70,6 @@ UPSTREAM_CASES = [
     _completion("completion logprobs", logprobs=3),
     _completion("completion logprobs stream", logprobs=2, stream=True),
     _completion("completion echo", echo=True, max_tokens=4),
-    _completion("completion stop", prompt="Count: one, two, three, four,", stop=[" six"], max_tokens=16),
     _completion("completion hidden states", return_hidden_states=True),
     _completion("completion hidden states last", return_hidden_states="last"),
     _completion("completion hidden states stream", return_hidden_states=True, stream=True),
@@ -88,16 +82,32 @@ UPSTREAM_CASES = [
     # no top_logprobs when streamed: sglang gives every token of a chunk the first token's top
     # log-probs (serving_chat._process_logprobs_tokens, index 0), so they depend on chunking
     _chat("chat logprobs stream", logprobs=True, stream=True),
-    _chat("chat eos", messages=SHORT_CHAT, max_tokens=64),
-    _chat("chat eos stream", messages=SHORT_CHAT, max_tokens=64, stream=True),
     _chat("chat ignore eos", messages=SHORT_CHAT, max_tokens=24, ignore_eos=True),
-    _chat("chat stop", stop=["."], max_tokens=24),
     _chat("chat hidden states", return_hidden_states=True),
     _chat("chat hidden states last", return_hidden_states="last"),
     _chat("chat hidden states stream", return_hidden_states=True, stream=True),
     _chat("chat hidden states n=2 stream", return_hidden_states=True, n=2, stream=True),
     _chat("chat usage stream", stream=True, stream_options={"include_usage": True}),
 ]
+
+
+def stop_cases(prompt_stop: int, chat_stop: int, tokenizer) -> list[Case]:
+    """Requests that end on a stop string or token before their length: `prompt_stop` and
+    `chat_stop` are tokens the served model's greedy answers to PROMPT and SHORT_CHAT reach
+    (`stops`; the random-weight model never reaches its EOS, so a stop token stands in for it)."""
+    text = tokenizer.decode([prompt_stop])
+    chat = {"messages": SHORT_CHAT, "max_tokens": 24}
+    return [
+        Case("generate stop string", "/generate", {"text": PROMPT, "sampling_params": {"max_new_tokens": 16,
+                                                                                       "stop": [text], **GREEDY}}),
+        Case("generate stop token", "/generate", {"text": PROMPT, "sampling_params": {
+            "max_new_tokens": 16, "stop_token_ids": [prompt_stop], **GREEDY}}),
+        _completion("completion stop", stop=[text], max_tokens=16),
+        _chat("chat stop token", stop_token_ids=[chat_stop], **chat),
+        _chat("chat stop token stream", stop_token_ids=[chat_stop], stream=True, **chat),
+        _chat("chat stop", stop=[tokenizer.decode([chat_stop])], **chat),
+    ]
+
 
 # Requests that set plugin fields: everything but what those fields ask for stays upstream's.
 PLUGIN_CASES = [
@@ -138,10 +148,25 @@ def test_oracle_runs_without_the_plugin(servers) -> None:
     assert mine["toploc_verification"] is True
 
 
-def test_requests_with_only_upstream_fields_get_upstream_answers(servers) -> None:
+@pytest.fixture(scope="module")
+def stops(servers, tokenizer) -> list[Case]:
+    """`stop_cases` with the stop tokens of the served model, each checked to end its request."""
+    url = servers["plugin"].url
+    chat_ids = tokenizer.apply_chat_template(SHORT_CHAT, add_generation_prompt=True, return_dict=True)["input_ids"]
+    cases = stop_cases(stop_token(url, PROMPT, 16), stop_token(url, list(chat_ids), 24), tokenizer)
+    for case in cases:
+        if not case.stream:
+            answer = call(url, case, case.body)
+            finish = answer["meta_info"]["finish_reason"]["type"] if "meta_info" in answer else \
+                answer["choices"][0]["finish_reason"]
+            assert finish == "stop", (case.name, answer)
+    return cases
+
+
+def test_requests_with_only_upstream_fields_get_upstream_answers(servers, stops: list[Case]) -> None:
     """/generate, completions and chat (streamed and not, batches, n > 1, log-probs, hidden states
-    true and "last", stop strings and tokens, EOS and ignore_eos) answer as sglang alone does."""
-    differences = _differences(servers, UPSTREAM_CASES)
+    true and "last", stop strings and tokens, ignore_eos) answer as sglang alone does."""
+    differences = _differences(servers, UPSTREAM_CASES + stops)
     assert not differences, "\n".join(differences)
 
 
