@@ -5,9 +5,10 @@ A CPU server start spends ~6 of its ~30 CPU seconds importing `sglang.launch_ser
 servers. `LauncherFork` imports it once, in a process of its own, and forks a child per server
 that runs `python -m sglang.launch_server`'s main with that server's arguments, environment and
 log: the child loads sglang's plugins itself, at the same point as always (so their hooks reach
-everything imported later), and its scheduler and detokenizer are started by sglang's spawn,
-fresh interpreters as before. sglang reads its environment when asked, not at import
-(`sglang.srt.environ`), so a child's environment is its own.
+everything imported later). Its scheduler and detokenizer are started by sglang's spawn through a
+zygote that has their imports ready (spawn_zygote.py; SGLANG_RL_TEST_FRESH_SPAWN=1: fresh
+interpreters). sglang reads its environment when asked, not at import (`sglang.srt.environ`), so
+a child's environment is its own.
 """
 
 from __future__ import annotations
@@ -21,10 +22,19 @@ import time
 from typing import Optional
 
 FORK_SERVER = r"""
-import json, os, runpy, select, sys, traceback
+import json, os, runpy, select, sys, tempfile, traceback
+sys.path.insert(0, sys.argv[1])
+import spawn_zygote  # the standard library only
+ZYGOTE_DIR = tempfile.mkdtemp(prefix="sglang-rl-zygote-")
+CLIENT = spawn_zygote.write_client(ZYGOTE_DIR)
+FRESH_SPAWN = "SGLANG_RL_TEST_FRESH_SPAWN"  # "1": a server's processes are spawned as sglang does it
 # what a `python -m sglang.launch_server` has imported when its main loads the plugins, no more: a
 # module imported here before the plugins' hooks are applied would keep the functions it imported
 import sglang.launch_server  # noqa: F401
+# not sglang's (a C module that retitles the process): set up now, while argv and environ lie as
+# exec left them, it can retitle a child after the launcher replaced its environment
+import setproctitle
+setproctitle.getproctitle()
 
 
 def report(message):
@@ -52,6 +62,8 @@ def launch(request):
     os.environ.clear()
     os.environ.update(request["env"])
     sys.argv = ["sglang.launch_server", *request["args"]]
+    if os.environ.get(FRESH_SPAWN) != "1":
+        spawn_zygote.start(CLIENT, os.path.join(ZYGOTE_DIR, f"{os.getpid()}.sock"))
     code = 0
     try:
         runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
@@ -83,6 +95,8 @@ while True:
         if pid == 0:
             launch(request)
         report({"launched": request["id"], "pid": pid})
+import shutil
+shutil.rmtree(ZYGOTE_DIR, ignore_errors=True)
 """
 
 READY_S = 300.0
@@ -111,7 +125,8 @@ class LauncherFork:
     it reports each child's exit code as it reaps it."""
 
     def __init__(self, env: dict) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", FORK_SERVER], env=env, stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-c", FORK_SERVER, os.path.dirname(os.path.abspath(__file__))],
+                                     env=env, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         self.lock = threading.Lock()
         self.changed = threading.Condition()
