@@ -27,10 +27,12 @@ demo: setup
 demo-cotrain: setup-test
 	$(PY) scripts/demo_cotrain.py
 
-# the unit tests run alongside the end-to-end ones; their output follows the end-to-end report
+# the unit tests run alongside the end-to-end ones, at a lower priority: they take the cycles the
+# end-to-end tests leave while they wait on servers, and finish long before them; their output
+# follows the end-to-end report
 test: setup-test
 	@unit_log=$$(mktemp /tmp/sglang-rl-unit-tests.XXXXXX); started=$$(date +%s); \
-	$(PY) -m pytest test/unit -v --durations=15 > $$unit_log 2>&1 & unit_pid=$$!; \
+	nice -n 5 $(PY) -m pytest test/unit -v --durations=15 > $$unit_log 2>&1 & unit_pid=$$!; \
 	$(PY) -m pytest test/e2e -v --durations=30; e2e_rc=$$?; e2e_s=$$(( $$(date +%s) - started )); \
 	wait $$unit_pid; unit_rc=$$?; \
 	echo "=================== test/unit (ran alongside test/e2e) ==================="; \

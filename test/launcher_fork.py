@@ -43,14 +43,8 @@ def report(message):
 
 
 def reap():
-    while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        report({"exited": pid, "code": os.waitstatus_to_exitcode(status)})
+    for pid, code in spawn_zygote.reaped():
+        report({"exited": pid, "code": code})
 
 
 def launch(request):

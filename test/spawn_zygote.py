@@ -170,7 +170,8 @@ def _signal(pid: int, signum: int) -> None:
         pass
 
 
-def _reap(children: dict) -> None:
+def reaped():
+    """(pid, exit code) of each child that has exited, without waiting for the others."""
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -178,9 +179,13 @@ def _reap(children: dict) -> None:
             return
         if pid == 0:
             return
+        yield pid, os.waitstatus_to_exitcode(status)
+
+
+def _reap(children: dict) -> None:
+    for pid, code in reaped():
         for conn, child in list(children.items()):
             if child == pid:
-                code = os.waitstatus_to_exitcode(status)
                 try:
                     conn.sendall(b"%d\n" % code)
                 except OSError:
