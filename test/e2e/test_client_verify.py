@@ -99,9 +99,14 @@ def test_a_batch_of_verifications_is_one_prefill_beside_a_running_decode(toploc_
     rid = f"long-decode-{time.time_ns()}"
     body = {"input_ids": rollouts[0]["input_ids"], "stream": True, "rid": rid,
             "sampling_params": {"max_new_tokens": 4000, "temperature": 0, "ignore_eos": True}}
+    before = len(log_path.read_bytes())
     with requests.post(toploc_server.url + "/generate", json=body, stream=True, timeout=TIMEOUT) as generation:
         assert generation.status_code == 200, generation.text
         next(line for line in generation.iter_lines() if line.startswith(b"data:"))  # its first token: decoding
+        # its own prefill line may come after that token (sglang's batch_result_processor streams, then logs)
+        deadline = time.time() + 60
+        while not prefill_batches(log_path.read_bytes()[before:].decode(errors="replace")) and time.time() < deadline:
+            time.sleep(0.05)
         offset = len(log_path.read_bytes())
         items = [Rollout.from_dict(r) for r in rollouts]
         try:
