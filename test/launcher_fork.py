@@ -62,7 +62,7 @@ def launch(request):
     try:
         runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
     except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        code = spawn_zygote.exit_status(exc)
     except BaseException:
         traceback.print_exc()
         code = 1

@@ -7,9 +7,9 @@ same), ~18 of a CPU server start's ~35 CPU-seconds.
 
 A zygote keeps that import state ready. Forked by a test server's launcher before sglang's
 plugins load, it imports what a spawned scheduler or detokenizer imports before it loads them,
-and nothing else. The launcher's multiprocessing executable becomes `CLIENT`: instead of a fresh
-interpreter, each spawn asks the zygote for a child, hands it its standard streams and spawn
-pipes, and mirrors it (signals in, exit code out). The child runs multiprocessing's own
+and nothing else. The launcher's spawns of those processes run `CLIENT` instead of a fresh
+interpreter: it asks the zygote for a child, hands it its standard streams and the descriptors
+spawn passed, and mirrors it (signals in, exit code out). The child runs multiprocessing's own
 `spawn_main` on those pipes, so it unpickles and runs the same target in the same import state
 as a spawned one, plugins loaded by that target as always. It is a grandchild of the launcher
 (the zygote is its child), so stopping the server's process group stops it too.
@@ -25,14 +25,13 @@ import socket
 import sys
 
 SOCKET_ENV = "SGLANG_RL_TEST_ZYGOTE"
-# what a spawned scheduler, detokenizer or data-parallel controller imports before its target runs
-PRELOAD = ("sglang.srt.managers.scheduler", "sglang.srt.managers.detokenizer_manager",
-           "sglang.srt.managers.data_parallel_controller")
 # the processes sglang's launcher spawns (module, function): the zygote's children. Anything else
 # it spawns (a plugin's process that watches its parent's pid) is spawned as always.
 TARGETS = {("sglang.srt.managers.scheduler", "run_scheduler_process"),
            ("sglang.srt.managers.detokenizer_manager", "run_detokenizer_process"),
            ("sglang.srt.managers.data_parallel_controller", "run_data_parallel_controller_process")}
+# what such a spawned process imports before its target runs: the targets' modules
+PRELOAD = tuple(sorted({module for module, _ in TARGETS}))
 
 CLIENT = r"""
 import json, os, signal, socket, sys
@@ -170,6 +169,11 @@ def _signal(pid: int, signum: int) -> None:
         pass
 
 
+def exit_status(exc: SystemExit) -> int:
+    """The process exit status a `sys.exit(...)` asks for, as the interpreter would make it."""
+    return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+
+
 def reaped():
     """(pid, exit code) of each child that has exited, without waiting for the others."""
     while True:
@@ -214,7 +218,8 @@ def _fork_child(listener: socket.socket, conn: socket.socket, children: dict, cl
         for other in children:
             other.close()
         signal.signal(signal.SIGQUIT, signal.SIG_DFL)
-        # the client's descriptors at the numbers the spawn command line names
+        # the client's descriptors at the numbers spawn gave them (its command line and pickled
+        # arguments name them by number)
         import fcntl
 
         high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 256) for fd in fds]
@@ -234,7 +239,7 @@ def _fork_child(listener: socket.socket, conn: socket.socket, children: dict, cl
         exec(compile(request["code"], "<spawn>", "exec"), {"__name__": "__main__"})
         code = 0
     except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        code = exit_status(exc)
     except BaseException:
         import traceback
 
