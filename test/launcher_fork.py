@@ -48,7 +48,9 @@ def reap():
 
 
 def launch(request):
-    os.setsid()  # its own process group, as Popen(start_new_session=True) gave
+    # its own process group (killpg ends the server), in the tests' session: a session is a scheduler
+    # autogroup (sched_autogroup_enabled), and niceness orders processes only within one (test/e2e/test_server_processes.py)
+    os.setpgid(0, 0)
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(log, 1)

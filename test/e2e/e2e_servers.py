@@ -66,6 +66,12 @@ LOG_DIR = Path(os.environ.get("SGLANG_RL_TEST_LOGS", "/tmp/sglang-rl-test-logs")
 EAGER = {"TORCHDYNAMO_DISABLE": "1"}
 
 
+# Popen arguments for a child in a process group of its own (killpg ends it and its children) in the
+# tests' session, not a session of its own: a session is a scheduler autogroup, and niceness orders
+# processes only within one (test/e2e/test_server_processes.py)
+OWN_PROCESS_GROUP = {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True}
+
+
 def e2e_env(extra: dict | None = None) -> dict:
     return {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(extra or {})}
 

@@ -41,7 +41,8 @@ E2E_DIR = HERE.parent / "e2e"  # e2e_servers.py (and its conftest), wherever the
 if str(E2E_DIR) not in sys.path:
     sys.path.insert(0, str(E2E_DIR))
 
-from e2e_servers import Server, ServerHandle, Spec, e2e_env, ensure_random_model, server_fixture  # noqa: E402
+from e2e_servers import (  # noqa: E402
+    OWN_PROCESS_GROUP, Server, ServerHandle, Spec, e2e_env, ensure_random_model, server_fixture)
 from sglang_rl.hidden_states import decode_rows  # noqa: E402
 
 # A row equals the HF row when every element is within ATOL + RTOL * |HF value| (torch.allclose).
@@ -77,7 +78,7 @@ def _stop_engine_job() -> None:
     proc = _engine_job.get("proc")
     if proc is not None and proc.poll() is None:
         try:
-            os.killpg(proc.pid, 9)  # the Engine's own group (start_new_session): its schedulers too
+            os.killpg(proc.pid, 9)  # the Engine's own group (OWN_PROCESS_GROUP): its schedulers too
         except ProcessLookupError:
             pass
 
@@ -117,7 +118,7 @@ def engine_job(model_path: str) -> dict[str, Any]:
         log_file = open(log, "w")
         proc = subprocess.Popen(
             [sys.executable, str(HERE / "test_hidden_states_engine.py"), str(out), model_path],
-            stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            stdout=log_file, stderr=subprocess.STDOUT, env=env, **OWN_PROCESS_GROUP,
         )
         _engine_job.update(proc=proc, out=out, log=log, log_file=log_file, t0=time.time())
     return _engine_job

@@ -21,7 +21,7 @@ from typing import Iterator
 
 import pytest
 
-from e2e_servers import EAGER, LOG_DIR, POOL, Prepared, ServerHandle, Spec, server_fixture
+from e2e_servers import EAGER, LOG_DIR, OWN_PROCESS_GROUP, POOL, Prepared, ServerHandle, Spec, server_fixture
 from test_drafter_cotrain import chat, draft_fc_rows, gsm8k, init_drafter, stats
 
 ROUND = 4
@@ -66,7 +66,7 @@ def _shared_trainer(model_path: str, workdir: Path) -> Prepared:
                      "--model-path", model_path, "--drafter-path", str(draft), "--samples-per-round", str(ROUND),
                      "--steps", "3", "--lr", "1e-3", "--soft-topk", "64", "--threads", "1",
                      "--serve-dtype", "float32"],
-                    stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                    stdout=out, stderr=subprocess.STDOUT, text=True, **OWN_PROCESS_GROUP)
             _wait(lambda: "trainer: listening" in log.read_text() or trainer.poll() is not None, "the trainer", 120)
             assert trainer.poll() is None, log.read_text()
             info.write_text(json.dumps({"pid": trainer.pid, "address": address, "draft": str(draft),
