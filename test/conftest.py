@@ -65,9 +65,11 @@ class _PortTaken(RuntimeError):
 
 
 class Server:
-    """A `python -m sglang.launch_server` process on the CPU, stopped by `stop()`."""
+    """A `python -m sglang.launch_server` process on the CPU, stopped by `stop()`; `niceness`:
+    of the server's processes (every one it starts inherits it)."""
 
-    def __init__(self, model: str, *extra: str, env: dict | None = None, log_name: str = "server") -> None:
+    def __init__(self, model: str, *extra: str, env: dict | None = None, log_name: str = "server",
+                 niceness: int = 0) -> None:
         log_dir = Path(os.environ.get("SGLANG_RL_TEST_LOGS", "/tmp/sglang-rl-test-logs"))
         log_dir.mkdir(parents=True, exist_ok=True)
         full_env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", **(env or {})}
@@ -88,7 +90,7 @@ class Server:
             ]
             self._log = open(self.log_path, "w")
             # `python -m sglang.launch_server ARGS`, forked from an interpreter that imported it once
-            self.proc = launcher_fork(SERVER_ENV).launch(args, full_env, str(self.log_path))
+            self.proc = launcher_fork(SERVER_ENV).launch(args, full_env, str(self.log_path), niceness)
             LIVE.add(self)
             try:
                 self._wait_healthy()

@@ -49,8 +49,9 @@ def reap():
 
 def launch(request):
     # its own process group (killpg ends the server), in the tests' session: a session is a scheduler
-    # autogroup (sched_autogroup_enabled), and niceness orders processes only within one (test/e2e/test_server_processes.py)
+    # autogroup, and niceness orders processes only within one (test/e2e/test_server_processes.py)
     os.setpgid(0, 0)
+    os.nice(request.get("niceness", 0))  # inherited by everything the server starts
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(log, 1)
@@ -153,12 +154,12 @@ class LauncherFork:
             if not predicate():
                 raise RuntimeError(f"the launcher fork server exited ({self.proc.poll()}) before {what}")
 
-    def launch(self, args: list[str], env: dict, log_path: str) -> ForkedServerProcess:
+    def launch(self, args: list[str], env: dict, log_path: str, niceness: int = 0) -> ForkedServerProcess:
         with self.lock:
             self.next_id += 1
             request_id = self.next_id
-            self.proc.stdin.write((json.dumps({"id": request_id, "args": args, "env": env, "log": log_path})
-                                   + "\n").encode())
+            request = {"id": request_id, "args": args, "env": env, "log": log_path, "niceness": niceness}
+            self.proc.stdin.write((json.dumps(request) + "\n").encode())
             self.proc.stdin.flush()
         self._wait_for(lambda: self.ready and request_id in self.pids, READY_S, "a launched server")
         return ForkedServerProcess(self, self.pids[request_id])

@@ -7,10 +7,11 @@ prepare what it serves: a drafter folder, a noisy model copy), and started by th
   same server (a `ServerHandle`), whichever module asks first;
 * started ahead: the pool knows from the collected items which specs every test needs (the
   server fixtures in its fixture closure, `server_keys`). While one test runs it starts the
-  server the next tests need next, one start at a time and while enough memory is free: a CPU
-  server start keeps ~1.3 cores busy for ~25 s, and a test mostly keeps one core busy, so the
-  other core starts the next server meanwhile. A test whose servers are not started yet when it
-  begins has them all started at once, as before;
+  servers the next tests need next, two starts at a time and while enough memory is free, at a
+  lower priority than the server the test uses (AHEAD_NICENESS; back to 0 at the first use): a
+  CPU server start keeps ~1.3 cores busy for ~25 s, and a test mostly keeps one core busy, so the
+  other core starts the next servers meanwhile. A test whose servers are not started yet when it
+  begins has them all started at once;
 * stopped when done: after each test, the servers no later test of the session needs are
   stopped (freeing memory for the next ones); the rest at the end of the session.
 
@@ -76,8 +77,8 @@ def e2e_env(extra: dict | None = None) -> dict:
     return {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(extra or {})}
 
 
-def start_server(model: str, *extra: str, log_name: str, env: dict | None = None) -> Server:
-    return Server(model, *E2E_FLAGS, *extra, env=e2e_env(env), log_name=log_name)
+def start_server(model: str, *extra: str, log_name: str, env: dict | None = None, niceness: int = 0) -> Server:
+    return Server(model, *E2E_FLAGS, *extra, env=e2e_env(env), log_name=log_name, niceness=niceness)
 
 
 # Resident memory of one CPU server of the default model (launcher + scheduler + detokenizer,
@@ -166,10 +167,12 @@ out = {"args": list(prepared.args), "model": prepared.model, "data": _encode(pre
 """
 
 
-def run_prepare(prepare: Callable[[str, Path], Prepared], model_path: str, workdir: Path) -> Prepared:
+def run_prepare(prepare: Callable[[str, Path], Prepared], model_path: str, workdir: Path,
+                niceness: int = 0) -> Prepared:
     """`prepare(model_path, workdir)` in a fresh interpreter (its module imported from its file)."""
     file = sys.modules[prepare.__module__].__file__
-    run = subprocess.run([sys.executable, "-c", _PREPARE_SCRIPT, file, prepare.__name__, model_path, str(workdir)],
+    run = subprocess.run(["nice", "-n", str(niceness), sys.executable, "-c", _PREPARE_SCRIPT, file, prepare.__name__,
+                          model_path, str(workdir)],
                          env={**os.environ, **e2e_env()}, capture_output=True, text=True, timeout=1800)
     if run.returncode != 0:
         raise RuntimeError(f"{prepare.__name__} of {file} failed:\n{(run.stdout + run.stderr)[-3000:]}")
@@ -195,7 +198,11 @@ def register(spec: Spec) -> Spec:
 
 
 MAX_UNUSED = 3  # servers started ahead that no test has used yet
+MAX_STARTING = 2  # starts ahead at once (a start keeps ~1.3 cores busy, at AHEAD_NICENESS)
 PREFETCH_FREE_GIB = 2 * SERVER_GIB + MARGIN_GIB  # memory free before a start ahead: that server and one more
+# a start ahead (its prepare, then the server until a test first uses it) yields to the server a test is
+# using (niceness 0) and takes the cycles before the unit tests (make test: nice -n 5)
+AHEAD_NICENESS = 3
 
 
 @dataclass
@@ -291,10 +298,11 @@ class Pool:
     def _run_start(self, entry: _Entry) -> None:
         key = entry.spec.key
         try:
-            prepared = self._prepare(entry.spec)
+            niceness = AHEAD_NICENESS if entry.background else 0
+            prepared = self._prepare(entry.spec, niceness)
             default = str(ensure_random_model()) if entry.spec.random_weights else self._model()
             server = start_server(prepared.model or default, *entry.spec.args, *prepared.args,
-                                  log_name=key, env=entry.spec.env)
+                                  log_name=key, env=entry.spec.env, niceness=niceness)
             server.prepared = prepared.data
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for the server
             entry.t_ready = time.time()
@@ -312,7 +320,7 @@ class Pool:
                 server.stop()
         self._prefetch()
 
-    def _prepare(self, spec: Spec) -> Prepared:
+    def _prepare(self, spec: Spec, niceness: int = 0) -> Prepared:
         with self._lock:
             lock = self._prepare_locks.setdefault(spec.key, threading.Lock())
         with lock:
@@ -323,18 +331,20 @@ class Pool:
                     workdir = Path(tempfile.mkdtemp(prefix=f"sglang-rl-e2e-{spec.key}-"))
                     self._workdirs.append(workdir)
                     t0 = time.time()
-                    self._prepared[spec.key] = run_prepare(spec.prepare, self._model(), workdir)
+                    self._prepared[spec.key] = run_prepare(spec.prepare, self._model(), workdir, niceness)
                     self._event(spec.key, "prepared", seconds=round(time.time() - t0, 1))
             return self._prepared[spec.key]
 
     def _prefetch(self) -> None:
-        """Start the next server the remaining tests need, if none is starting, fewer than
-        MAX_UNUSED started servers wait for their first test, and memory allows."""
+        """Start the next server the remaining tests need, if fewer than MAX_STARTING are starting
+        and than MAX_UNUSED started servers wait for their first test, and memory allows (for the
+        starts under way too)."""
         with self._lock:
             if self._closed or not self._plan:
                 return
             entries = [e for e in self._entries.values() if not e.released]
-            if any(not e.future.done() for e in entries):
+            starting = sum(1 for e in entries if not e.future.done())
+            if starting >= MAX_STARTING:
                 return
             if sum(1 for e in entries if not e.used) >= MAX_UNUSED:
                 return
@@ -344,7 +354,7 @@ class Pool:
                     continue
                 if entry is not None:  # released, yet a remaining test needs it: the plan was wrong
                     return
-                if available_gib() < PREFETCH_FREE_GIB:
+                if available_gib() < PREFETCH_FREE_GIB + starting * SERVER_GIB:
                     if self._short_of_memory != key:
                         self._short_of_memory = key
                         self._event(key, "not started ahead: memory", free_gib=round(available_gib(), 1))
@@ -377,7 +387,7 @@ class Pool:
             if first:
                 entry.used, entry.waited_s = True, waited
                 self._event(key, "first use", waited=round(waited, 1))
-        if first and entry.spec.polls_when_idle:
+        if first and entry.background:
             set_priority(server, 0)
         return server
 
