@@ -10,8 +10,9 @@ prepare what it serves: a drafter folder, a noisy model copy), and started by th
   servers the next tests need next, two starts at a time and while enough memory is free, at a
   lower priority than the server the test uses (AHEAD_NICENESS; back to 0 at the first use): a
   CPU server start keeps ~1.3 cores busy for ~25 s, and a test mostly keeps one core busy, so the
-  other core starts the next servers meanwhile. A test whose servers are not started yet when it
-  begins has them all started at once;
+  other core starts the next servers meanwhile. While the next server may not start yet (two are
+  starting, or memory is short) its prepare runs ahead. A test whose servers are not started yet
+  when it begins has them all started at once;
 * stopped when done: after each test, the servers no later test of the session needs are
   stopped (freeing memory for the next ones); the rest at the end of the session.
 
@@ -211,6 +212,7 @@ class _Entry:
     future: Future
     background: bool
     t_start: float
+    niceness: int = 0
     t_ready: Optional[float] = None
     server: Optional[Server] = None
     used: bool = False
@@ -231,6 +233,7 @@ class Pool:
         self._index = 0
         self._closed = False
         self._short_of_memory: Optional[str] = None
+        self._preparing_ahead = False
         self.log: list[dict] = []
 
     # -- plan -----------------------------------------------------------------------------
@@ -286,9 +289,12 @@ class Pool:
         return self._model_path
 
     def _launch(self, key: str, background: bool) -> _Entry:
-        """Start `key` in a thread (under the lock)."""
+        """Start `key` in a thread (under the lock); at AHEAD_NICENESS if it is started ahead of
+        the tests that need it (not for the test running now, which waits for it)."""
         spec = SPECS[key]
-        entry = _Entry(spec, Future(), background, time.time())
+        now = self._plan[self._index] if self._index < len(self._plan) else frozenset()
+        niceness = AHEAD_NICENESS if background and key not in now else 0
+        entry = _Entry(spec, Future(), background, time.time(), niceness)
         self._entries[key] = entry
         self._event(key, "start ahead" if background else "start")
         thread = threading.Thread(target=self._run_start, args=(entry,), name=f"start-{key}", daemon=True)
@@ -298,7 +304,7 @@ class Pool:
     def _run_start(self, entry: _Entry) -> None:
         key = entry.spec.key
         try:
-            niceness = AHEAD_NICENESS if entry.background else 0
+            niceness = entry.niceness
             prepared = self._prepare(entry.spec, niceness)
             default = str(ensure_random_model()) if entry.spec.random_weights else self._model()
             server = start_server(prepared.model or default, *entry.spec.args, *prepared.args,
@@ -338,29 +344,54 @@ class Pool:
     def _prefetch(self) -> None:
         """Start the next server the remaining tests need, if fewer than MAX_STARTING are starting
         and than MAX_UNUSED started servers wait for their first test, and memory allows (for the
-        starts under way too)."""
+        starts under way too); if it may not start yet, run its prepare meanwhile."""
         with self._lock:
             if self._closed or not self._plan:
                 return
+            key = self._next_to_start()
+            if key is None:
+                return
             entries = [e for e in self._entries.values() if not e.released]
             starting = sum(1 for e in entries if not e.future.done())
-            if starting >= MAX_STARTING:
-                return
-            if sum(1 for e in entries if not e.used) >= MAX_UNUSED:
-                return
-            for key in self._upcoming():
-                entry = self._entries.get(key)
-                if key not in SPECS or (entry is not None and not entry.released):
-                    continue
-                if entry is not None:  # released, yet a remaining test needs it: the plan was wrong
+            if starting < MAX_STARTING and sum(1 for e in entries if not e.used) < MAX_UNUSED:
+                if available_gib() >= PREFETCH_FREE_GIB + starting * SERVER_GIB:
+                    self._launch(key, background=True)
                     return
-                if available_gib() < PREFETCH_FREE_GIB + starting * SERVER_GIB:
-                    if self._short_of_memory != key:
-                        self._short_of_memory = key
-                        self._event(key, "not started ahead: memory", free_gib=round(available_gib(), 1))
-                    return
-                self._launch(key, background=True)
-                return
+                if self._short_of_memory != key:
+                    self._short_of_memory = key
+                    self._event(key, "not started ahead: memory", free_gib=round(available_gib(), 1))
+            self._prepare_ahead(key)
+
+    def _next_to_start(self) -> Optional[str]:
+        """The first server the remaining tests need that is not running or starting (None if
+        there is none, or the plan was wrong: one stopped is needed again)."""
+        for key in self._upcoming():
+            entry = self._entries.get(key)
+            if key not in SPECS or (entry is not None and not entry.released):
+                continue
+            return key if entry is None else None
+        return None
+
+    def _prepare_ahead(self, key: str) -> None:
+        """Run `key`'s prepare in the background (one at a time; under the lock): what a start
+        waits for least is a prepare that has already run (a drafter built, a model copied)."""
+        spec = SPECS[key]
+        if (spec.prepare is None or key in self._prepared or self._preparing_ahead
+                or available_gib() < MARGIN_GIB + SERVER_GIB):
+            return
+        self._preparing_ahead = True
+
+        def run() -> None:
+            try:
+                self._prepare(spec, AHEAD_NICENESS)
+            except Exception:  # noqa: BLE001 - the start runs the prepare again and reports it
+                pass
+            finally:
+                with self._lock:
+                    self._preparing_ahead = False
+            self._prefetch()
+
+        threading.Thread(target=run, name=f"prepare-{key}", daemon=True).start()
 
     # -- handing out ----------------------------------------------------------------------
 
@@ -387,7 +418,7 @@ class Pool:
             if first:
                 entry.used, entry.waited_s = True, waited
                 self._event(key, "first use", waited=round(waited, 1))
-        if first and entry.background:
+        if first and (entry.niceness or entry.spec.polls_when_idle):
             set_priority(server, 0)
         return server
 
