@@ -56,6 +56,7 @@ Server = _ROOT.Server
 SERVER_ENV = _ROOT.SERVER_ENV
 launcher_fork = _ROOT.launcher_fork
 ensure_random_model = _ROOT.ensure_random_model
+free_port = _ROOT.free_port
 
 E2E_FLAGS = ("--sleep-on-idle",)
 LOG_DIR = Path(os.environ.get("SGLANG_RL_TEST_LOGS", "/tmp/sglang-rl-test-logs"))

@@ -42,7 +42,7 @@ if str(E2E_DIR) not in sys.path:
     sys.path.insert(0, str(E2E_DIR))
 
 from e2e_servers import (  # noqa: E402
-    OWN_PROCESS_GROUP, Server, ServerHandle, Spec, e2e_env, ensure_random_model, server_fixture)
+    OWN_PROCESS_GROUP, Server, ServerHandle, Spec, e2e_env, ensure_random_model, free_port, server_fixture)
 from sglang_rl.hidden_states import decode_rows  # noqa: E402
 
 # A row equals the HF row when every element is within ATOL + RTOL * |HF value| (torch.allclose).
@@ -104,7 +104,7 @@ DISABLED = Spec("disabled", HS_NORADIX.args, env={"SGLANG_PLUGINS": "sgl_kernel_
 
 
 def engine_job(model_path: str) -> dict[str, Any]:
-    """Start (once) `python test_hidden_states_engine.py OUT` in the background: the sgl.Engine
+    """Start (once) `python test_hidden_states_engine.py OUT MODEL PORT` in the background: the sgl.Engine
     part of the suite, which writes its outputs to OUT with torch.save. Started when a test first
     uses a hidden-state server, so that its start overlaps the HTTP tests."""
     if not _engine_job:
@@ -116,8 +116,9 @@ def engine_job(model_path: str) -> dict[str, Any]:
         env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", **e2e_env(),
                "PYTHONPATH": os.pathsep.join([str(HERE), str(E2E_DIR), os.environ.get("PYTHONPATH", "")])}
         log_file = open(log, "w")
+        # its rendezvous port from the session's ports, not picked by sglang as it starts beside other servers
         proc = subprocess.Popen(
-            [sys.executable, str(HERE / "test_hidden_states_engine.py"), str(out), model_path],
+            [sys.executable, str(HERE / "test_hidden_states_engine.py"), str(out), model_path, str(free_port())],
             stdout=log_file, stderr=subprocess.STDOUT, env=env, **OWN_PROCESS_GROUP,
         )
         _engine_job.update(proc=proc, out=out, log=log, log_file=log_file, t0=time.time())

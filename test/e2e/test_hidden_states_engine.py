@@ -45,7 +45,7 @@ def _requests(long_prompt: str, short_prompt: str) -> list[tuple[str, str, int, 
     return reqs
 
 
-def _engine_main(out_path: str, model_path: str) -> None:
+def _engine_main(out_path: str, model_path: str, nccl_port: str) -> None:
 
     import sglang as sgl
 
@@ -54,7 +54,7 @@ def _engine_main(out_path: str, model_path: str) -> None:
     t0 = time.time()
     engine = sgl.Engine(model_path=model_path, device="cpu", attention_backend="torch_native", dtype="float32",
                         max_total_tokens=16384, enable_return_hidden_states=True, chunked_prefill_size=64,
-                        toploc_verification=True, log_level="warning")
+                        toploc_verification=True, log_level="warning", nccl_port=int(nccl_port))
     started = time.time() - t0
     print(f"[engine] started in {started:.0f}s", flush=True)
     ids = {"return_input_ids": True, "return_output_ids": True}
@@ -169,4 +169,4 @@ def test_engine_bad_fields_raise(engine_results) -> None:
 
 
 if __name__ == "__main__":
-    _engine_main(sys.argv[1], sys.argv[2])
+    _engine_main(sys.argv[1], sys.argv[2], sys.argv[3])
