@@ -71,7 +71,8 @@ EAGER = {"TORCHDYNAMO_DISABLE": "1"}
 
 # Popen arguments for a child in a process group of its own (killpg ends it and its children) in the
 # tests' session, not a session of its own: a session is a scheduler autogroup, and niceness orders
-# processes only within one (test/e2e/test_server_processes.py)
+# processes only within one (test/e2e/test_server_processes.py). Python 3.10's Popen has no
+# process_group: there the child gets a session (and an autogroup) of its own
 OWN_PROCESS_GROUP = {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True}
 
 
@@ -305,11 +306,10 @@ class Pool:
     def _run_start(self, entry: _Entry) -> None:
         key = entry.spec.key
         try:
-            niceness = entry.niceness
-            prepared = self._prepare(entry.spec, niceness)
+            prepared = self._prepare(entry.spec, entry.niceness)
             default = str(ensure_random_model()) if entry.spec.random_weights else self._model()
             server = start_server(prepared.model or default, *entry.spec.args, *prepared.args,
-                                  log_name=key, env=entry.spec.env, niceness=niceness)
+                                  log_name=key, env=entry.spec.env, niceness=entry.niceness)
             server.prepared = prepared.data
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for the server
             entry.t_ready = time.time()
