@@ -27,18 +27,25 @@ demo: setup
 demo-cotrain: setup-test
 	$(PY) scripts/demo_cotrain.py
 
-# the unit tests run alongside the end-to-end ones, at a lower priority: they take the cycles the
-# end-to-end tests leave while they wait on servers, and finish long before them; their output
-# follows the end-to-end report
+# three pytest runs side by side on 2 cores: the end-to-end modules' main part in the foreground;
+# beside it the unit tests at a lower priority (they take the cycles left while servers are
+# awaited), then the end-to-end modules of the TOPLOC part (test/e2e/conftest.py: --e2e-part).
+# The reports of the two background runs follow the main one.
 test: setup-test
-	@unit_log=$$(mktemp /tmp/sglang-rl-unit-tests.XXXXXX); started=$$(date +%s); \
-	nice -n 5 $(PY) -m pytest test/unit -v --durations=15 > $$unit_log 2>&1 & unit_pid=$$!; \
-	$(PY) -m pytest test/e2e -v --durations=30; e2e_rc=$$?; e2e_s=$$(( $$(date +%s) - started )); \
-	wait $$unit_pid; unit_rc=$$?; \
+	@logs=$$(mktemp -d /tmp/sglang-rl-tests.XXXXXX); started=$$(date +%s); \
+	( nice -n 5 $(PY) -m pytest test/unit -v --durations=15 > $$logs/unit 2>&1; echo $$? > $$logs/unit.rc; \
+	  $(PY) -m pytest test/e2e --e2e-part toploc -v --durations=15 > $$logs/toploc 2>&1; echo $$? > $$logs/toploc.rc; \
+	  echo $$(( $$(date +%s) - started )) > $$logs/toploc.s ) & background=$$!; \
+	$(PY) -m pytest test/e2e --e2e-part main -v --durations=30; main_rc=$$?; main_s=$$(( $$(date +%s) - started )); \
+	wait $$background; \
+	echo "=================== test/e2e --e2e-part toploc (ran alongside, after test/unit) ==================="; \
+	cat $$logs/toploc; \
 	echo "=================== test/unit (ran alongside test/e2e) ==================="; \
-	cat $$unit_log; rm -f $$unit_log; \
-	echo "make test: test/e2e exit $$e2e_rc, test/unit exit $$unit_rc; set-up $$(cat .venv/setup-seconds 2>/dev/null || echo ?) s (when it ran), tests $$(( $$(date +%s) - started )) s (e2e $$e2e_s s)"; \
-	[ $$e2e_rc -eq 0 ] && [ $$unit_rc -eq 0 ]
+	cat $$logs/unit; \
+	toploc_rc=$$(cat $$logs/toploc.rc 2>/dev/null || echo 1); unit_rc=$$(cat $$logs/unit.rc 2>/dev/null || echo 1); \
+	echo "make test: test/e2e main part exit $$main_rc ($$main_s s), toploc part exit $$toploc_rc (done at $$(cat $$logs/toploc.s 2>/dev/null || echo ?) s), test/unit exit $$unit_rc; set-up $$(cat .venv/setup-seconds 2>/dev/null || echo ?) s (when it ran), tests $$(( $$(date +%s) - started )) s"; \
+	rm -rf $$logs; \
+	[ $$main_rc -eq 0 ] && [ $$toploc_rc -eq 0 ] && [ $$unit_rc -eq 0 ]
 
 # on a machine with CUDA and the plugin installed (not part of `make test`)
 test-gpu:

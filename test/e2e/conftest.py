@@ -89,14 +89,40 @@ def module_order(needs: dict) -> list:
     return sorted(paths, key=place)
 
 
+# `make test` runs the e2e modules as two pytest runs side by side (`--e2e-part`): on 2 cores one
+# run leaves a core idle while its test waits on one single-threaded server. The "toploc" part is
+# the modules that need only these servers; the "main" part is every other module.
+TOPLOC_PART_SERVERS = frozenset({"toploc", "noisy", "bf16"})
+PARTS = ("all", "main", "toploc")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--e2e-part", choices=PARTS, default="all",
+                     help="run only the end-to-end modules of this part (make test runs 'main' and 'toploc' "
+                          "side by side): 'toploc' = the modules that need only the servers "
+                          f"{', '.join(sorted(TOPLOC_PART_SERVERS))}; 'main' = the others")
+
+
+def module_part(keys: set) -> str:
+    """The part (`--e2e-part`) of a module whose tests need the servers `keys`."""
+    return "toploc" if keys and keys <= TOPLOC_PART_SERVERS else "main"
+
+
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:
     """Run the e2e modules grouped by the shared servers they need (`module_order`); other
-    tests first, and every module's tests in their own order."""
+    tests first, and every module's tests in their own order. With `--e2e-part`, only the modules
+    of that part (the rest are deselected)."""
     modules: dict = {}
     for item in items:
         modules.setdefault(item.path, []).append(item)
     e2e = [path for path in modules if _HERE in Path(path).resolve().parents]
     needs = {path: set().union(*(server_keys(item) for item in modules[path])) for path in e2e}
+    part = config.getoption("--e2e-part")
+    if part != "all":
+        other = [path for path in needs if module_part(needs[path]) != part]
+        config.hook.pytest_deselected(items=[item for path in other for item in modules[path]])
+        for path in other:
+            del needs[path], modules[path]
     ordered = [path for path in modules if path not in needs] + module_order(needs)
     items[:] = [item for path in ordered for item in modules[path]]
 

@@ -14,7 +14,9 @@ prepare what it serves: a drafter folder, a noisy model copy), and started by th
   starting, or memory is short) its prepare runs ahead. A test whose servers are not started yet
   when it begins has them all started at once;
 * stopped when done: after each test, the servers no later test of the session needs are
-  stopped (freeing memory for the next ones); the rest at the end of the session.
+  stopped (freeing memory for the next ones); the rest at the end of the session;
+* memory: a start waits (MEMORY_WAIT_S at most) until one more server fits, as `make test` runs
+  two pools side by side (conftest.py's `--e2e-part`).
 
 A run of a single module gets the same servers, started when it needs them. After a session the
 pool's log (what started when, how long a test waited) is in LOG_DIR/server-pool-PID.jsonl.
@@ -200,6 +202,7 @@ def register(spec: Spec) -> Spec:
 # the pool
 
 
+MEMORY_WAIT_S = 300.0  # a start waits at most this long for memory another run's servers hold
 MAX_UNUSED = 3  # servers started ahead that no test has used yet
 MAX_STARTING = 2  # starts ahead at once (a start keeps ~1.3 cores busy, at AHEAD_NICENESS)
 PREFETCH_FREE_GIB = 2 * SERVER_GIB + MARGIN_GIB  # memory free before a start ahead: that server and one more
@@ -307,6 +310,7 @@ class Pool:
         key = entry.spec.key
         try:
             prepared = self._prepare(entry.spec, entry.niceness)
+            self._wait_for_memory(key)
             default = str(ensure_random_model()) if entry.spec.random_weights else self._model()
             server = start_server(prepared.model or default, *entry.spec.args, *prepared.args,
                                   log_name=key, env=entry.spec.env, niceness=entry.niceness)
@@ -326,6 +330,16 @@ class Pool:
             if closed:  # the session ended (or the server was given up) while it started
                 server.stop()
         self._prefetch()
+
+    def _wait_for_memory(self, key: str) -> None:
+        """Until one more server fits (SERVER_GIB + MARGIN_GIB free), for at most MEMORY_WAIT_S:
+        make test's two e2e runs start servers side by side, each pool unaware of the other's."""
+        deadline = time.time() + MEMORY_WAIT_S
+        if available_gib() >= SERVER_GIB + MARGIN_GIB:
+            return
+        self._event(key, "waits for memory", free_gib=round(available_gib(), 1))
+        while available_gib() < SERVER_GIB + MARGIN_GIB and time.time() < deadline and not self._closed:
+            time.sleep(1.0)
 
     def _prepare(self, spec: Spec, niceness: int = 0) -> Prepared:
         with self._lock:
