@@ -84,7 +84,10 @@ def module_order(needs: dict) -> list:
         head = any(rank[other] < rank[path] for key in mine for other in few[key])
         tail = any(rank[other] > rank[path] for key in mine for other in few[key])
         cluster = min([paths.index(few[key][0]) for key in mine] + [paths.index(path)])
-        return rank[path], 0 if head else 2 if tail else 1, cluster, paths.index(path)
+        # within a group, a module that also needs a later group's shared server runs after the
+        # others, as late as that server starts (the pool starts them in that order)
+        latest = max([i for i, key in enumerate(SHARED_FIRST) if key in needs[path]] + [rank[path]])
+        return rank[path], 0 if head else 2 if tail else 1, latest, cluster, paths.index(path)
 
     return sorted(paths, key=place)
 
