@@ -98,6 +98,11 @@ def available_gib() -> float:
     return psutil.virtual_memory().available / 2**30
 
 
+def one_more_server_fits() -> bool:
+    """Whether one more server and the margin fit in the memory free now."""
+    return available_gib() >= SERVER_GIB + MARGIN_GIB
+
+
 # --------------------------------------------------------------------------------------------
 # specs
 
@@ -205,8 +210,8 @@ def register(spec: Spec) -> Spec:
 MEMORY_WAIT_S = 300.0  # a start waits at most this long for memory another run's servers hold
 MAX_UNUSED = 3  # servers started ahead that no test has used yet
 MAX_STARTING = 2  # starts ahead at once (a start keeps ~1.3 cores busy, at AHEAD_NICENESS)
-# memory free before a start ahead: that server and one more (with one server less, a unit test's
-# 2.6 GB model was killed for memory beside both e2e runs)
+# memory free before a start ahead: that server and one more (make test's unit run, beside the two
+# e2e runs, builds models of up to 2.6 GB: test_widen_smollm2)
 PREFETCH_FREE_GIB = 2 * SERVER_GIB + MARGIN_GIB
 # a start ahead (its prepare, then the server until a test first uses it) yields to the server a test is
 # using (niceness 0) and takes the cycles before the unit tests (make test: nice -n 5)
@@ -334,13 +339,13 @@ class Pool:
         self._prefetch()
 
     def _wait_for_memory(self, key: str) -> None:
-        """Until one more server fits (SERVER_GIB + MARGIN_GIB free), for at most MEMORY_WAIT_S:
-        make test's two e2e runs start servers side by side, each pool unaware of the other's."""
-        deadline = time.time() + MEMORY_WAIT_S
-        if available_gib() >= SERVER_GIB + MARGIN_GIB:
+        """Until one more server fits (`one_more_server_fits`), for at most MEMORY_WAIT_S: make
+        test's two e2e runs start servers side by side, each pool unaware of the other's."""
+        if one_more_server_fits():
             return
         self._event(key, "waits for memory", free_gib=round(available_gib(), 1))
-        while available_gib() < SERVER_GIB + MARGIN_GIB and time.time() < deadline and not self._closed:
+        deadline = time.time() + MEMORY_WAIT_S
+        while not one_more_server_fits() and time.time() < deadline and not self._closed:
             time.sleep(1.0)
 
     def _prepare(self, spec: Spec, niceness: int = 0) -> Prepared:
@@ -394,7 +399,7 @@ class Pool:
         waits for least is a prepare that has already run (a drafter built, a model copied)."""
         spec = SPECS[key]
         if (spec.prepare is None or key in self._prepared or self._preparing_ahead
-                or available_gib() < MARGIN_GIB + SERVER_GIB):
+                or not one_more_server_fits()):
             return
         self._preparing_ahead = True
 
