@@ -19,7 +19,7 @@ import pytest
 
 from e2e_servers import POOL, USES_SERVERS, Spec, server_fixture, server_keys
 from hidden_states_fixtures import (  # noqa: F401 - fixtures
-    disabled_server, engine_results, hf, hs_noradix_server, hs_server, random_hf, refusal_server)
+    disabled_server, engine_results, hf, hf_model, hs_noradix_server, hs_server, random_hf, refusal_server)
 
 toploc_server = server_fixture(
     Spec("toploc", ("--toploc-verification", "--enable-metrics", "--log-level", "info")),

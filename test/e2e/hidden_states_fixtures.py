@@ -224,6 +224,12 @@ def _reference(model_path: str) -> HFReference:
 
 
 @pytest.fixture(scope="session")
+def hf_model(model_path: str) -> Any:
+    """SmolLM2 under plain transformers in float32 (`float32_model`), for tests that run it themselves."""
+    return float32_model(model_path)
+
+
+@pytest.fixture(scope="session")
 def hf(model_path: str) -> HFReference:
     """SmolLM2's reference (the speculative servers serve it)."""
     return _reference(model_path)

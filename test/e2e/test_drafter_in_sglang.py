@@ -18,6 +18,7 @@ import requests
 import torch
 
 from e2e_servers import EAGER, POOL, Prepared, Server, Spec, server_fixture
+from hidden_states_fixtures import float32_model
 
 STEPS = 3  # --speculative-num-steps: draft tokens per chain
 NEW_TOKENS = 24
@@ -30,10 +31,9 @@ PROMPTS = [
 
 def _greedy(model_path: str) -> list[tuple[torch.Tensor, int, torch.Tensor]]:
     """(prompt + greedy continuation ids, prompt length, last-layer rows) for each prompt."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    torch.set_num_threads(1)
-    lm = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    lm = float32_model(model_path)
     tok = AutoTokenizer.from_pretrained(model_path)
     out = []
     for text in PROMPTS:

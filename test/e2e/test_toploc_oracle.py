@@ -25,15 +25,6 @@ MAX_MANT_ERR_MEDIAN = 8.0
 
 
 @pytest.fixture(scope="module")
-def hf_model(model_path):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    model.eval()
-    return model
-
-
-@pytest.fixture(scope="module")
 def samples(toploc_server, tokenizer) -> list[dict]:
     url = toploc_server.url
     story = tokenizer.encode("Once upon a time, in a small village by the sea, there lived ", add_special_tokens=False)

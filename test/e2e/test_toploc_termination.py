@@ -23,15 +23,6 @@ LIMIT_FIELD = "toploc_verification_max_new_tokens"
 
 
 @pytest.fixture(scope="module")
-def hf_model(model_path):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    model.eval()
-    return model
-
-
-@pytest.fixture(scope="module")
 def answers(toploc_server) -> list[dict]:
     """Greedy chat answers that stopped on EOS before the limit."""
     samples = pmap(lambda q: gen_chat(toploc_server.url, [{"role": "user", "content": q}], max_tokens=MAX_TOKENS)[0],
